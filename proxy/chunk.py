@@ -1,0 +1,94 @@
+"""What one SSE data payload means for timing: content, usage, or neither.
+
+A content chunk carries generated text: `choices[].delta.content`, `delta.reasoning_content` /
+`delta.reasoning` (reasoning models emit these tokens first), tool-call `function.arguments`, or
+`choices[].text` (completions). Role-only chunks, finish-only chunks and the usage-only chunk
+(`choices: []` plus `usage`) are not content.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+DONE = b"[DONE]"
+
+
+class Chunk:
+    __slots__ = ("text", "usage", "model", "usage_only", "valid", "extra")
+
+    def __init__(self) -> None:
+        self.text: str = ""  # generated text in this chunk ("" = not a content chunk)
+        self.usage: dict[str, Any] | None = None
+        self.model: str = ""
+        self.usage_only: bool = False
+        self.valid: bool = True
+        self.extra: dict[str, Any] | None = None  # engine-reported fields (llama.cpp `timings`)
+
+
+def _delta_text(choice: dict[str, Any]) -> str:
+    delta = choice.get("delta")
+    if delta is None:
+        text = choice.get("text")
+        return text if isinstance(text, str) else ""
+    if not isinstance(delta, dict):
+        return ""
+    parts = []
+    for key in ("content", "reasoning_content", "reasoning"):
+        value = delta.get(key)
+        if isinstance(value, str) and value:
+            parts.append(value)
+    calls = delta.get("tool_calls")
+    if isinstance(calls, list):
+        for call in calls:
+            fn = call.get("function") if isinstance(call, dict) else None
+            args = fn.get("arguments") if isinstance(fn, dict) else None
+            if isinstance(args, str) and args:
+                parts.append(args)
+    return "".join(parts)
+
+
+def parse_chunk(data: bytes) -> Chunk:
+    chunk = Chunk()
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        chunk.valid = False
+        return chunk
+    if not isinstance(obj, dict):
+        chunk.valid = False
+        return chunk
+    choices = obj.get("choices")
+    if isinstance(choices, list):
+        texts = [_delta_text(c) for c in choices if isinstance(c, dict)]
+        chunk.text = "".join(texts)
+    usage = obj.get("usage")
+    if isinstance(usage, dict):
+        chunk.usage = usage
+        chunk.usage_only = choices == []
+    model = obj.get("model")
+    if isinstance(model, str):
+        chunk.model = model
+    timings = obj.get("timings")
+    if isinstance(timings, dict):
+        chunk.extra = {"timings": timings}
+    return chunk
+
+
+def read_usage(usage: dict[str, Any] | None) -> tuple[int | None, int | None]:
+    """(prompt_tokens, completion_tokens) from an OpenAI usage object, None where absent."""
+    if not usage:
+        return None, None
+    prompt = usage.get("prompt_tokens")
+    completion = usage.get("completion_tokens")
+    return (prompt if isinstance(prompt, int) else None, completion if isinstance(completion, int) else None)
+
+
+def strip_usage_null(raw: bytes) -> bytes:
+    """Remove the `"usage":null` key that include_usage adds to every chunk (OpenAI does)."""
+    if b'"usage":null' not in raw:
+        return raw
+    for pattern in (b',"usage":null', b'"usage":null,'):
+        if pattern in raw:
+            return raw.replace(pattern, b"", 1)
+    return raw

@@ -1,0 +1,105 @@
+"""The `llm-latency-proxy` command: serve, simulate, demo.
+
+Imports of the app stay inside the commands: with `--workers N > 1`, prometheus-client's
+multiprocess directory must be set (and emptied) before prometheus_client is first imported.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from typing import Sequence
+
+from .config import add_arguments, build_settings
+
+
+def _uvicorn_options(log_level: str) -> dict[str, object]:
+    return {"loop": "uvloop", "http": "httptools", "log_level": log_level, "access_log": False,
+            "timeout_graceful_shutdown": 30}
+
+
+def serve(args: argparse.Namespace) -> int:
+    settings = build_settings(args)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvicorn
+
+    if settings.workers > 1:
+        # Multiprocess metrics: a fresh, empty directory before any prometheus_client import.
+        directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or tempfile.mkdtemp(prefix="llmproxy-prom-")
+        shutil.rmtree(directory, ignore_errors=True)
+        os.makedirs(directory)
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
+        from .app import SETTINGS_ENV
+
+        os.environ[SETTINGS_ENV] = settings.to_json()
+        uvicorn.run("proxy.app:app_from_env", factory=True, host=settings.host, port=settings.port,
+                    workers=settings.workers, **_uvicorn_options(settings.log_level))
+        return 0
+    from .app import create_app
+
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, **_uvicorn_options(settings.log_level))
+    return 0
+
+
+def simulate(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .simulator import SimConfig, Simulator
+
+    config = SimConfig(prefill_tps=args.prefill_tps, decode_tps=args.decode_tps, jitter=args.jitter,
+                       chunk_tokens=args.chunk_tokens, default_max_tokens=args.max_tokens,
+                       role_chunk=not args.no_role_chunk, usage_null_chunks=not args.no_usage_null,
+                       deterministic=args.deterministic, seed=args.seed)
+    uvicorn.run(Simulator(config), host=args.host, port=args.port, **_uvicorn_options(args.log_level))
+    return 0
+
+
+def demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(repeats=args.repeats, output_tokens=args.output_tokens)
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(prog="llm-latency-proxy", description="OpenAI-compatible proxy that measures where each request's time goes.")
+    commands = root.add_subparsers(dest="command", required=True)
+    p_serve = commands.add_parser("serve", help="run the proxy in front of an upstream")
+    add_arguments(p_serve)
+    p_serve.set_defaults(func=serve)
+
+    p_sim = commands.add_parser("simulate", help="run the built-in simulated inference engine")
+    p_sim.add_argument("--host", default="127.0.0.1")
+    p_sim.add_argument("--port", type=int, default=8000)
+    p_sim.add_argument("--prefill-tps", type=float, default=5000.0, help="prompt tokens per second (TTFT = prompt / this)")
+    p_sim.add_argument("--decode-tps", type=float, default=100.0, help="output tokens per second per request")
+    p_sim.add_argument("--jitter", type=float, default=0.0, help="relative random spread of each inter-token gap (0.1 = ±10%%)")
+    p_sim.add_argument("--chunk-tokens", type=int, default=1, help="tokens per streamed content chunk")
+    p_sim.add_argument("--max-tokens", type=int, default=100, help="output tokens when a request sets none")
+    p_sim.add_argument("--no-role-chunk", action="store_true", help="omit the role-only first chunk")
+    p_sim.add_argument("--no-usage-null", action="store_true", help="omit usage:null on chunks (vLLM style)")
+    p_sim.add_argument("--deterministic", action="store_true", help="fixed `created` field for byte comparisons")
+    p_sim.add_argument("--seed", type=int, default=0)
+    p_sim.add_argument("--log-level", default="warning")
+    p_sim.set_defaults(func=simulate)
+
+    p_demo = commands.add_parser("demo", help="simulator + proxy + the seed's four cases, measured")
+    p_demo.add_argument("--repeats", type=int, default=3, help="requests per case (the table shows medians)")
+    p_demo.add_argument("--output-tokens", type=int, default=100)
+    p_demo.set_defaults(func=demo)
+    return root
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as exc:  # bad settings: one clear line, no traceback
+        print(f"llm-latency-proxy: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,181 @@
+"""One settings object, built in one place from flags and environment variables.
+
+Every `serve` flag `--some-flag` is also read from `LLMPROXY_SOME_FLAG`; a flag given on the
+command line wins over the environment, which wins over the default. The table `OPTIONS` is the
+single definition the CLI, the README and the tests read.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+from urllib.parse import urlsplit
+
+ENV_PREFIX = "LLMPROXY_"
+TOKEN_SPAN_MODES = ("spans", "events", "off")
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str  # attribute name on Settings; the flag is --name-with-dashes
+    type: type
+    default: Any
+    help: str
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("upstream", str, "http://127.0.0.1:8000/v1", "base URL of the upstream API (ends in /v1)"),
+    Option("host", str, "127.0.0.1", "address to listen on"),
+    Option("port", int, 8080, "port to listen on"),
+    Option("workers", int, 1, "uvicorn worker processes (metrics use multiprocess mode when > 1)"),
+    Option("upstream_api_key_env", str, "", "name of an env var whose value replaces the client's Authorization"),
+    Option("upstream_name", str, "", "value of the `upstream` metric label (default: host:port of --upstream)"),
+    Option("provider_name", str, "", "gen_ai.provider.name on spans (default: openai for *.openai.com, else openai_compatible)"),
+    Option("connect_timeout", float, 10.0, "seconds to open a connection to the upstream (DNS+TCP+TLS)"),
+    Option("read_timeout", float, 600.0, "seconds the upstream may stay silent (before and between chunks)"),
+    Option("write_timeout", float, 60.0, "seconds to send the request to the upstream"),
+    Option("pool_timeout", float, 30.0, "seconds to wait for a free upstream connection"),
+    Option("max_connections", int, 1000, "upstream connection pool size"),
+    Option("ca_bundle", str, "", "CA bundle file for a TLS upstream (default: the system store)"),
+    Option("inject_usage", bool, True, "ask streaming upstreams for usage and strip the extra chunk"),
+    Option("tokenize", bool, True, "count prompt tokens with the tokenizer off the critical path (the tokenize phase)"),
+    Option("default_encoding", str, "o200k_base", "tiktoken encoding for models tiktoken does not know"),
+    Option("max_models", int, 100, "distinct model label values before later ones become `other`"),
+    Option("token_spans", str, "spans", "per-chunk telemetry under the decode span: spans, events or off"),
+    Option("otlp_endpoint", str, "", "OTLP/HTTP endpoint for spans (default: the OTEL_EXPORTER_OTLP_* variables)"),
+    Option("service_name", str, "", "service.name of the spans (default: OTEL_SERVICE_NAME or llm-latency-proxy)"),
+    Option("records", int, 1000, "recent per-request records kept in memory for GET /llmproxy/requests"),
+    Option("log_requests", bool, False, "log one JSON line per finished request (timings only, no text)"),
+    Option("log_level", str, "warning", "log level of the proxy and uvicorn"),
+)
+
+
+def _parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+def _convert(option: Option, raw: Any) -> Any:
+    if option.type is bool and isinstance(raw, str):
+        return _parse_bool(raw)
+    return option.type(raw)
+
+
+@dataclass(frozen=True)
+class Settings:
+    upstream: str = "http://127.0.0.1:8000/v1"
+    host: str = "127.0.0.1"
+    port: int = 8080
+    workers: int = 1
+    upstream_api_key_env: str = ""
+    upstream_name: str = ""
+    provider_name: str = ""
+    connect_timeout: float = 10.0
+    read_timeout: float = 600.0
+    write_timeout: float = 60.0
+    pool_timeout: float = 30.0
+    max_connections: int = 1000
+    ca_bundle: str = ""
+    inject_usage: bool = True
+    tokenize: bool = True
+    default_encoding: str = "o200k_base"
+    max_models: int = 100
+    token_spans: str = "spans"
+    otlp_endpoint: str = ""
+    service_name: str = ""
+    records: int = 1000
+    log_requests: bool = False
+    log_level: str = "warning"
+    # Not a flag: the resolved upstream key, read from the env var named above at build time.
+    upstream_api_key: str = field(default="", repr=False)
+
+    def __post_init__(self) -> None:
+        if self.token_spans not in TOKEN_SPAN_MODES:
+            raise ValueError(f"--token-spans must be one of {TOKEN_SPAN_MODES}, not {self.token_spans!r}")
+        parts = urlsplit(self.upstream)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"--upstream must be an http(s) URL, not {self.upstream!r}")
+
+    # Derived values: computed, never configured twice.
+    @property
+    def upstream_parts(self) -> tuple[str, str, int, str]:
+        """(scheme, host, port, base path without trailing slash)."""
+        parts = urlsplit(self.upstream)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        return parts.scheme, parts.hostname or "", port, parts.path.rstrip("/")
+
+    @property
+    def upstream_label(self) -> str:
+        if self.upstream_name:
+            return self.upstream_name
+        _, host, port, _ = self.upstream_parts
+        return f"{host}:{port}"
+
+    @property
+    def provider(self) -> str:
+        if self.provider_name:
+            return self.provider_name
+        host = self.upstream_parts[1]
+        return "openai" if host == "openai.com" or host.endswith(".openai.com") else "openai_compatible"
+
+    def to_json(self) -> str:
+        """For worker processes, which rebuild the same settings (credentials excluded)."""
+        data = dataclasses.asdict(self)
+        data.pop("upstream_api_key")
+        return json.dumps(data)
+
+    @classmethod
+    def from_json(cls, text: str, environ: Mapping[str, str] | None = None) -> "Settings":
+        data = json.loads(text)
+        return cls(**data, upstream_api_key=_resolve_key(data.get("upstream_api_key_env", ""), environ))
+
+
+def _resolve_key(env_name: str, environ: Mapping[str, str] | None) -> str:
+    if not env_name:
+        return ""
+    env = os.environ if environ is None else environ
+    key = env.get(env_name, "")
+    if not key:
+        raise ValueError(f"--upstream-api-key-env names {env_name!r}, which is empty or unset")
+    return key
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every option as a flag; defaults are None so the environment can fill the gaps."""
+    for option in OPTIONS:
+        kwargs: dict[str, Any] = {"default": None, "help": f"{option.help} [env {option.env}, default {option.default!r}]"}
+        if option.type is bool:
+            kwargs["type"] = _parse_bool
+            kwargs["metavar"] = "BOOL"
+        else:
+            kwargs["type"] = option.type
+        if option.name == "token_spans":
+            kwargs["choices"] = TOKEN_SPAN_MODES
+        parser.add_argument(option.flag, dest=option.name, **kwargs)
+
+
+def build_settings(args: argparse.Namespace | None = None, environ: Mapping[str, str] | None = None) -> Settings:
+    """Flags over environment over defaults, validated once."""
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for option in OPTIONS:
+        raw = getattr(args, option.name, None) if args is not None else None
+        if raw is None and option.env in env:
+            raw = env[option.env]
+        values[option.name] = option.default if raw is None else _convert(option, raw)
+    return Settings(**values, upstream_api_key=_resolve_key(values["upstream_api_key_env"], env))

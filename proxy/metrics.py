@@ -1,0 +1,168 @@
+"""Prometheus metrics: each defined once in METRICS, observed once per finished request.
+
+The table below is the contract that the README, the dashboards and the alert rules are checked
+against. `ProxyMetrics` takes a registry (tests build a fresh one) and binds label children once
+per label set, so observing a request does no label validation.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import choose_encoder, generate_latest
+
+from .timing import Breakdown, RequestTiming
+
+LATENCY_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+    0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 120.0, 300.0, 600.0,
+)
+GAP_BUCKETS = (
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03,
+    0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0,
+)
+TPS_BUCKETS = (
+    1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 75.0, 100.0, 125.0, 150.0, 200.0, 300.0,
+    500.0, 750.0, 1000.0, 2000.0, 5000.0, 10000.0,
+)
+PREFILL_TPS_BUCKETS = TPS_BUCKETS + (20000.0, 50000.0, 100000.0)
+TOKENIZE_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
+
+BASE = ("model", "upstream", "endpoint", "stream")
+
+
+@dataclass(frozen=True)
+class MetricDef:
+    name: str  # without the _total suffix for counters (prometheus_client adds it)
+    kind: str  # counter, gauge, histogram
+    doc: str
+    labels: tuple[str, ...]
+    buckets: tuple[float, ...] = ()
+
+    @property
+    def exposed(self) -> str:
+        return self.name + "_total" if self.kind == "counter" else self.name
+
+
+METRICS: tuple[MetricDef, ...] = (
+    MetricDef("llmproxy_requests", "counter", "Finished requests by outcome (ok, upstream_error, client_disconnect, timeout, proxy_error) and HTTP status.", BASE + ("outcome", "code")),
+    MetricDef("llmproxy_requests_in_flight", "gauge", "Requests being relayed now.", ("upstream",)),
+    MetricDef("llmproxy_request_duration_seconds", "histogram", "End to end: request received by the proxy to the last byte relayed.", BASE, LATENCY_BUCKETS),
+    MetricDef("llmproxy_time_to_first_token_seconds", "histogram", "First content chunk minus request received by the proxy (streaming).", BASE, LATENCY_BUCKETS),
+    MetricDef("llmproxy_inter_token_latency_seconds", "histogram", "Gap between consecutive content chunks divided by the tokens in the later chunk.", BASE, GAP_BUCKETS),
+    MetricDef("llmproxy_inter_chunk_latency_seconds", "histogram", "Gap between consecutive content chunks.", BASE, GAP_BUCKETS),
+    MetricDef("llmproxy_decode_tokens_per_second", "histogram", "Per request: (completion_tokens - 1) / (last content chunk - first content chunk).", BASE, TPS_BUCKETS),
+    MetricDef("llmproxy_prefill_tokens_per_second", "histogram", "Per request: prompt_tokens / prefill phase seconds.", BASE, PREFILL_TPS_BUCKETS),
+    MetricDef("llmproxy_phase_seconds", "histogram", "Seconds of each phase of a request (proxy, network, tokenize, prefill, decode, server); the phases sum to the request duration.", BASE + ("phase",), LATENCY_BUCKETS),
+    MetricDef("llmproxy_upstream_connect_seconds", "histogram", "Opening a new upstream connection, by step (dns, tcp, tls).", ("upstream", "step"), LATENCY_BUCKETS),
+    MetricDef("llmproxy_upstream_rtt_seconds", "histogram", "Kernel smoothed RTT (TCP_INFO) of the upstream connection a request used.", ("upstream",), LATENCY_BUCKETS),
+    MetricDef("llmproxy_tokenize_seconds", "histogram", "Tokenizer time per request, by kind (prompt, completion).", ("model", "kind"), TOKENIZE_BUCKETS),
+    MetricDef("llmproxy_tokens", "counter", "Tokens by kind (prompt, completion) and source (usage, tokenizer).", ("model", "upstream", "kind", "source")),
+    MetricDef("llmproxy_upstream_connections", "counter", "Upstream requests by whether they reused a pooled connection.", ("upstream", "reused")),
+    MetricDef("llmproxy_telemetry_errors", "counter", "Failures inside metrics, tracing, tokenizer or records; the request itself was unaffected.", ("component",)),
+)
+
+
+class ModelLabels:
+    """Caps the distinct `model` label values; later ones become `other`."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._seen: set[str] = set()
+
+    def __call__(self, model: str) -> str:
+        if model in self._seen:
+            return model
+        if len(self._seen) >= self.limit:
+            return "other"
+        self._seen.add(model)
+        return model
+
+
+class ProxyMetrics:
+    def __init__(self, registry: CollectorRegistry, max_models: int = 100, multiprocess: bool = False) -> None:
+        self.registry = registry
+        self.multiprocess = multiprocess
+        self.models = ModelLabels(max_models)
+        self.m: dict[str, Any] = {}
+        for d in METRICS:
+            if d.kind == "counter":
+                self.m[d.name] = Counter(d.name, d.doc, d.labels, registry=registry)
+            elif d.kind == "gauge":
+                self.m[d.name] = Gauge(d.name, d.doc, d.labels, registry=registry, multiprocess_mode="livesum")
+            else:
+                self.m[d.name] = Histogram(d.name, d.doc, d.labels, registry=registry, buckets=d.buckets)
+        self._bound: dict[tuple[str, ...], dict[str, Any]] = {}
+
+    def _children(self, model: str, upstream: str, endpoint: str, stream: str) -> dict[str, Any]:
+        key = (model, upstream, endpoint, stream)
+        bound = self._bound.get(key)
+        if bound is None:
+            bound = {d.name: self.m[d.name].labels(*key) for d in METRICS if d.labels == BASE}
+            bound["phase"] = {}
+            self._bound[key] = bound
+        return bound
+
+    def in_flight(self, upstream: str) -> Any:
+        return self.m["llmproxy_requests_in_flight"].labels(upstream)
+
+    def telemetry_error(self, component: str) -> None:
+        self.m["llmproxy_telemetry_errors"].labels(component).inc()
+
+    def observe(self, t: RequestTiming, b: Breakdown, upstream: str, trace_id: str | None = None) -> None:
+        """Everything about one finished request, in one place."""
+        model = self.models(t.model)
+        stream = "true" if t.stream else "false"
+        c = self._children(model, upstream, t.endpoint, stream)
+        ex = {"trace_id": trace_id} if trace_id and not self.multiprocess else None
+        m = self.m
+        m["llmproxy_requests"].labels(model, upstream, t.endpoint, stream, t.outcome, str(t.status_code)).inc()
+        c["llmproxy_request_duration_seconds"].observe(b.e2e_s, ex)
+        if b.ttft_s is not None:
+            c["llmproxy_time_to_first_token_seconds"].observe(b.ttft_s, ex)
+        if b.decode_tokens_per_second is not None:
+            c["llmproxy_decode_tokens_per_second"].observe(b.decode_tokens_per_second, ex)
+        if b.prefill_tokens_per_second is not None:
+            c["llmproxy_prefill_tokens_per_second"].observe(b.prefill_tokens_per_second)
+        itl, icl = c["llmproxy_inter_token_latency_seconds"], c["llmproxy_inter_chunk_latency_seconds"]
+        for gap in b.inter_chunk_s:
+            icl.observe(gap)
+        for gap in b.inter_token_s:
+            itl.observe(gap)
+        phases = c["phase"]
+        for phase, seconds in b.phases.items():
+            child = phases.get(phase)
+            if child is None:
+                child = phases[phase] = m["llmproxy_phase_seconds"].labels(model, upstream, t.endpoint, stream, phase)
+            child.observe(seconds)
+        for step, seconds in b.connect.items():
+            m["llmproxy_upstream_connect_seconds"].labels(upstream, step).observe(seconds)
+        if t.rtt_s is not None:
+            m["llmproxy_upstream_rtt_seconds"].labels(upstream).observe(t.rtt_s)
+        if t.reused is not None:
+            m["llmproxy_upstream_connections"].labels(upstream, "true" if t.reused else "false").inc()
+        if t.tokenize_prompt_s is not None:
+            m["llmproxy_tokenize_seconds"].labels(model, "prompt").observe(t.tokenize_prompt_s)
+        if t.tokenize_completion_s is not None:
+            m["llmproxy_tokenize_seconds"].labels(model, "completion").observe(t.tokenize_completion_s)
+        if t.prompt_tokens:
+            m["llmproxy_tokens"].labels(model, upstream, "prompt", t.token_source).inc(t.prompt_tokens)
+        if t.completion_tokens:
+            m["llmproxy_tokens"].labels(model, upstream, "completion", t.token_source).inc(t.completion_tokens)
+
+    def render(self, accept: str) -> tuple[bytes, str]:
+        """The exposition for GET /metrics (OpenMetrics with exemplars when asked for)."""
+        if self.multiprocess:
+            from prometheus_client import multiprocess
+
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+            return generate_latest(registry), "text/plain; version=0.0.4; charset=utf-8"
+        encoder, content_type = choose_encoder(accept)
+        return encoder(self.registry), content_type
+
+
+def multiprocess_enabled() -> bool:
+    return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))

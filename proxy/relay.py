@@ -1,0 +1,272 @@
+"""The relay: one request in, one upstream exchange, bytes out as they arrive. The hot path.
+
+The loop in `_stream` timestamps each upstream read, forwards it untouched, then frames a copy to
+note content chunks. It builds no metric, span or log: `Telemetry.finish` does that once, from the
+timing record, after the last byte went out. Only when the proxy injected
+`stream_options.include_usage` does it forward per SSE event, to drop the usage-only chunk the
+client did not ask for.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import zlib
+from typing import Any
+
+import httpcore
+import orjson
+
+from .chunk import DONE, parse_chunk, strip_usage_null
+from .errors import ProxyError, map_transport_error
+from .sse import SSEDecoder
+from .timing import RequestTiming, now_ns
+
+log = logging.getLogger("llmproxy.relay")
+
+ENDPOINTS = {"/chat/completions": "chat", "/completions": "completions", "/embeddings": "embeddings"}
+HOP_BY_HOP = frozenset(
+    b"connection keep-alive proxy-authenticate proxy-authorization te trailer trailers transfer-encoding upgrade host content-length".split()
+)
+NON_STREAM_BODY_LIMIT = 16 * 1024 * 1024  # bytes kept for reading usage from a JSON body
+
+
+class ClientGone(Exception):
+    """Raised into the relay when the client disconnected."""
+
+
+def filter_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    named = {v.strip().lower() for k, v in headers if k.lower() == b"connection" for v in v.split(b",")}
+    return [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP and k.lower() not in named]
+
+
+def parse_request(path: str, body: bytes) -> tuple[str, dict[str, Any] | None]:
+    """(endpoint, parsed JSON body or None). A body we cannot parse is still forwarded as is."""
+    endpoint = ENDPOINTS.get(path, "other")
+    if endpoint == "other" or not body:
+        return endpoint, None
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return endpoint, None
+    return endpoint, parsed if isinstance(parsed, dict) else None
+
+
+def usage_injected_body(parsed: dict[str, Any]) -> bytes | None:
+    """The body with stream_options.include_usage set, or None when it is set or cannot be."""
+    options = parsed.get("stream_options")
+    if options is None:
+        options = {}
+    elif not isinstance(options, dict) or options.get("include_usage") is True:
+        return None
+    try:
+        return orjson.dumps({**parsed, "stream_options": {**options, "include_usage": True}})
+    except TypeError:  # e.g. an integer orjson cannot represent: leave the request alone
+        return None
+
+
+class Exchange:
+    """One proxied request. Created per request; `run` is the whole ASGI response."""
+
+    def __init__(self, app: Any, scope: dict[str, Any], receive: Any, send: Any, timing: RequestTiming) -> None:
+        self.app, self.scope, self.receive, self.send, self.t = app, scope, receive, send, timing
+        self.started = False  # response headers sent to the client
+        self.relaying = False
+        self.client_gone = False
+        self.response: httpcore.Response | None = None
+        self.usage: dict[str, Any] | None = None
+        self.json_body: list[bytes] | None = None
+        self.body_encoding = b"identity"
+
+    async def _read_body(self) -> bytes:
+        parts = []
+        while True:
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone()
+            parts.append(message.get("body", b""))
+            if not message.get("more_body"):
+                return b"".join(parts)
+
+    async def _watch(self, task: asyncio.Task[Any]) -> None:
+        while True:
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                if self.relaying:
+                    self.client_gone = True
+                    task.cancel()
+                return
+
+    async def run(self) -> None:
+        t, app = self.t, self.app
+        wall_offset = time.time_ns() - t.received_ns
+        spans = None
+        try:
+            body = await self._read_body()
+        except ClientGone:
+            t.outcome, t.status_code = "client_disconnect", 499
+            await app.telemetry.finish(t, None, wall_offset)
+            return
+        path = self.scope["path"][3:]
+        t.endpoint, parsed = parse_request(path, body)
+        inject = False
+        if parsed is not None:
+            t.model = str(parsed.get("model") or "unknown")
+            t.stream = parsed.get("stream") is True
+            if t.stream and app.settings.inject_usage and t.endpoint in ("chat", "completions"):
+                new_body = usage_injected_body(parsed)
+                if new_body is not None:
+                    body, inject = new_body, True
+        headers = app.upstream_headers(self.scope["headers"], len(body))
+        spans = app.telemetry.start(t, self.scope["headers"], parsed, wall_offset)
+        if spans is not None:
+            headers.append((b"traceparent", spans.traceparent()))
+        task = asyncio.current_task()
+        assert task is not None
+        self.relaying = True
+        watcher = asyncio.create_task(self._watch(task))
+        try:
+            await self._exchange(body, headers, inject)
+        except asyncio.CancelledError:
+            if not self.client_gone:
+                raise
+            task.uncancel()
+            t.outcome = "client_disconnect"
+            t.status_code = t.status_code or 499
+        finally:
+            self.relaying = False
+            watcher.cancel()
+            if self.response is not None:
+                await self.response.aclose()  # closes the upstream socket mid-body: vLLM aborts
+            if t.response_end_ns is None:
+                t.response_end_ns = now_ns()
+            t.upstream_end_ns = t.upstream_end_ns or t.response_end_ns
+        await app.telemetry.finish(t, spans, wall_offset, self.usage, read_json_usage(self.json_body, self.body_encoding))
+
+    async def _exchange(self, body: bytes, headers: list[tuple[bytes, bytes]], inject: bool) -> None:
+        t, app = self.t, self.app
+        method = self.scope["method"]
+        url = app.upstream.url(self.scope["path"][3:], self.scope.get("query_string", b""))
+        try:
+            self.response = await app.upstream.send(method, url, headers, body, t)
+        except Exception as exc:
+            await self._fail(map_transport_error(exc, app.upstream.label))
+            return
+        response = self.response
+        t.status_code = response.status
+        out_headers = filter_headers(response.headers)
+        content_type = next((v for k, v in out_headers if k.lower() == b"content-type"), b"")
+        is_sse = content_type.startswith(b"text/event-stream")
+        if is_sse:
+            out_headers.append((b"x-accel-buffering", b"no"))
+        if not inject or not is_sse:
+            inject = False
+            length = next((v for k, v in response.headers if k.lower() == b"content-length"), None)
+            if length is not None:
+                out_headers.append((b"content-length", length))
+        if response.status >= 400:
+            t.outcome = "upstream_error"
+        await self.send({"type": "http.response.start", "status": response.status, "headers": out_headers})
+        self.started = True
+        encoding = next((v for k, v in response.headers if k.lower() == b"content-encoding"), b"identity")
+        if not is_sse and response.status < 400 and encoding in (b"identity", b"gzip", b"deflate"):
+            self.json_body = []
+            self.body_encoding = encoding
+        try:
+            await self._stream(response, SSEDecoder() if is_sse else None, inject)
+        except (httpcore.TimeoutException, httpcore.NetworkError, httpcore.ProtocolError) as exc:
+            error = map_transport_error(exc, app.upstream.label)
+            t.upstream_end_ns = now_ns()
+            t.outcome, t.error = error.outcome, f"mid_stream:{error.code}"
+            log.warning("upstream stream ended early: %s", error)
+            # Leave the response incomplete: the client sees the stream break, as it would directly.
+            return
+        t.response_end_ns = now_ns()
+
+    async def _stream(self, response: httpcore.Response, decoder: SSEDecoder | None, inject: bool) -> None:
+        t, send = self.t, self.send
+        json_body = self.json_body
+        kept = 0
+        async for chunk in response.aiter_stream():  # type: ignore[attr-defined]
+            now = now_ns()
+            if t.first_byte_ns is None:
+                t.first_byte_ns = now
+            if inject:
+                out = []
+                for event in decoder.feed(chunk):  # type: ignore[union-attr]
+                    if self._note(event.data, now):
+                        out.append(strip_usage_null(event.raw))
+                if out:
+                    await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
+                continue
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if decoder is not None:
+                for event in decoder.feed(chunk):
+                    self._note(event.data, now)
+            elif json_body is not None and kept < NON_STREAM_BODY_LIMIT:
+                json_body.append(chunk)
+                kept += len(chunk)
+        t.upstream_end_ns = now = now_ns()
+        if decoder is not None:
+            for event in decoder.flush():
+                keep = self._note(event.data, now)
+                if inject and keep:
+                    await send({"type": "http.response.body", "body": strip_usage_null(event.raw), "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _note(self, data: bytes | None, now: int) -> bool:
+        """Record what an event means; False for the injected usage-only chunk (to drop)."""
+        if data is None or data == DONE:
+            return True
+        chunk = parse_chunk(data)
+        t = self.t
+        if chunk.text:
+            t.content_ns.append(now)
+            t.chunk_text.append(chunk.text)
+        if chunk.model and not t.response_model:
+            t.response_model = chunk.model
+        if chunk.usage is not None:
+            self.usage = chunk.usage
+            if chunk.usage_only:
+                return False
+        if not chunk.valid:
+            t.malformed_chunks += 1
+        return True
+
+    async def _fail(self, error: ProxyError) -> None:
+        t = self.t
+        t.outcome, t.status_code, t.error = error.outcome, error.status, error.code
+        log.warning("%s", error)
+        body = error.body()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        await self.send({"type": "http.response.start", "status": error.status, "headers": headers})
+        await self.send({"type": "http.response.body", "body": body, "more_body": False})
+        self.started = True
+        t.response_end_ns = now_ns()
+
+
+def read_json_usage(parts: list[bytes] | None, encoding: bytes = b"identity") -> tuple[dict[str, Any] | None, str, str]:
+    """(usage, response model, generated text) from a non-streaming JSON response."""
+    if not parts:
+        return None, "", ""
+    try:
+        raw = b"".join(parts)
+        if encoding != b"identity":
+            raw = zlib.decompress(raw, 16 + zlib.MAX_WBITS if encoding == b"gzip" else zlib.MAX_WBITS)
+        obj = orjson.loads(raw)
+    except (orjson.JSONDecodeError, zlib.error):
+        return None, "", ""
+    if not isinstance(obj, dict):
+        return None, "", ""
+    texts = []
+    for choice in obj.get("choices") or []:
+        if isinstance(choice, dict):
+            message = choice.get("message") or {}
+            text = message.get("content") if isinstance(message, dict) else None
+            text = text if isinstance(text, str) else choice.get("text")
+            if isinstance(text, str):
+                texts.append(text)
+    usage = obj.get("usage")
+    model = obj.get("model")
+    return (usage if isinstance(usage, dict) else None), (model if isinstance(model, str) else ""), "".join(texts)
+

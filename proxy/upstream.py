@@ -14,7 +14,7 @@ import ipaddress
 import socket
 import ssl
 import struct
-from typing import Any, Iterable
+from typing import Any, Awaitable, Callable, Iterable
 
 import anyio
 import anyio.streams.tls  # noqa: F401 - imported now, not lazily inside the first request
@@ -54,8 +54,9 @@ def _is_ip(host: str) -> bool:
 class TimedBackend(httpcore.AsyncNetworkBackend):
     """AnyIO backend that resolves names itself, so the DNS step has its own timestamps."""
 
-    def __init__(self) -> None:
+    def __init__(self, resolver: Callable[..., Awaitable[list[Any]]] | None = None) -> None:
         self._inner = httpcore.AnyIOBackend()
+        self.resolver = resolver  # None: the event loop's getaddrinfo (tests inject failures here)
 
     async def connect_tcp(
         self,
@@ -70,9 +71,9 @@ class TimedBackend(httpcore.AsyncNetworkBackend):
         timing = current_timing.get()
         if timing is not None:
             timing.dns_start_ns = now_ns()
-        loop = asyncio.get_running_loop()
+        resolve = self.resolver or asyncio.get_running_loop().getaddrinfo
         try:
-            infos = await asyncio.wait_for(loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), timeout)
+            infos = await asyncio.wait_for(resolve(host, port, type=socket.SOCK_STREAM), timeout)
         except asyncio.TimeoutError as exc:
             raise httpcore.ConnectTimeout(f"DNS lookup of {host} timed out") from exc
         except socket.gaierror as exc:
@@ -138,12 +139,13 @@ class Upstream:
             "pool": settings.pool_timeout,
         }
         context = ssl.create_default_context(cafile=settings.ca_bundle or None)
+        self.backend = TimedBackend()
         self.pool = httpcore.AsyncConnectionPool(
             ssl_context=context,
             max_connections=settings.max_connections,
             max_keepalive_connections=settings.max_connections,
             keepalive_expiry=60.0,
-            network_backend=TimedBackend(),
+            network_backend=self.backend,
         )
 
     def url(self, path: str, query: bytes) -> bytes:

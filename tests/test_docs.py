@@ -1,0 +1,35 @@
+"""The README documents every flag, metric and phase as the code defines them."""
+from pathlib import Path
+
+from proxy.config import OPTIONS
+from proxy.metrics import METRICS
+from proxy.timing import OUTCOMES, PHASES
+
+README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+
+
+def test_every_flag_and_env_var_is_documented():
+    for option in OPTIONS:
+        assert f"| `{option.flag}` | `{option.env}` | `{option.default!r}` | {option.help} |" in README, option.name
+
+
+def test_every_metric_is_documented_with_its_definition():
+    for d in METRICS:
+        assert f"| `{d.exposed}` | {d.kind} | {', '.join(d.labels)} | {d.doc} |" in README, d.name
+
+
+def test_phase_and_outcome_names_match():
+    for phase in PHASES:
+        assert f"`{phase}`" in README
+    for outcome in OUTCOMES:
+        assert outcome in README
+
+
+def test_definitions_are_quoted_exactly():
+    for line in (
+        "`ttft` = first content chunk − request received by the proxy.",
+        "`decode` = last content chunk − first content chunk; `decode_tokens_per_second` =",
+        "(completion_tokens − 1) / decode, only when completion_tokens ≥ 2 and decode > 0.",
+        "`inter_token_latency` = gap between consecutive content chunks ÷ tokens in the later chunk.",
+    ):
+        assert line in README

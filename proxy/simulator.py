@@ -151,32 +151,44 @@ class Simulator:
         created = FIXED_CREATED if cfg.deterministic else int(time.time())
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
         text = [WORDS[k % len(WORDS)] for k in range(n)]
-        if request.get("stream") is not True:
-            await asyncio.sleep(max(0.0, received + times[-1] - time.monotonic()) if n else 0)
-            if kind == "chat":
-                choice = {"index": 0, "message": {"role": "assistant", "content": "".join(text)}, "logprobs": None, "finish_reason": "length"}
-                obj = {"id": ident, "object": "chat.completion", "created": created, "model": model, "choices": [choice], "usage": usage}
-            else:
-                obj = {"id": ident, "object": "text_completion", "created": created, "model": model, "choices": [{"index": 0, "text": "".join(text), "logprobs": None, "finish_reason": "length"}], "usage": usage}
-            self.stats.completed += 1
-            return await self._reply(send, _json_response(200, obj))
+        stream = request.get("stream") is True
         options = request.get("stream_options") or {}
         include_usage = isinstance(options, dict) and options.get("include_usage") is True
         task = asyncio.current_task()
-        watcher = asyncio.create_task(self._watch(receive, task))
+        gone: list[bool] = []
+        watcher = asyncio.create_task(self._watch(receive, task, gone))  # sees the client leave, any time
         try:
-            await self._stream(send, kind, ident, created, model, text, times, received, usage, include_usage, headers)
+            if stream:
+                await self._stream(send, kind, ident, created, model, text, times, received, usage, include_usage, headers)
+            else:
+                await self._complete(send, kind, ident, created, model, text, times, received, usage)
         except asyncio.CancelledError:
+            if not gone or task is None:
+                raise
             task.uncancel()
             self.stats.disconnects += 1
         finally:
             watcher.cancel()
 
-    async def _watch(self, receive: Any, task: asyncio.Task[Any] | None) -> None:
+    async def _complete(self, send: Any, kind: str, ident: str, created: int, model: str, text: list[str],
+                        times: list[float], received: float, usage: dict[str, int]) -> None:
+        if times:
+            await asyncio.sleep(max(0.0, received + times[-1] - time.monotonic()))
+        if kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": "".join(text)}, "logprobs": None, "finish_reason": "length"}
+            obj = {"id": ident, "object": "chat.completion", "created": created, "model": model, "choices": [choice], "usage": usage}
+        else:
+            choice = {"index": 0, "text": "".join(text), "logprobs": None, "finish_reason": "length"}
+            obj = {"id": ident, "object": "text_completion", "created": created, "model": model, "choices": [choice], "usage": usage}
+        self.stats.completed += 1
+        await self._reply(send, _json_response(200, obj))
+
+    async def _watch(self, receive: Any, task: asyncio.Task[Any] | None, gone: list[bool]) -> None:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
                 if task is not None:
+                    gone.append(True)
                     task.cancel()
                 return
 

@@ -162,19 +162,27 @@ def test_upstream_dropping_mid_stream_breaks_the_client_stream(proxy):
     assert record["outcome"] == "upstream_error" and record["error"].startswith("mid_stream")
 
 
-@pytest.mark.parametrize("when", ["before_first_token", "mid_stream"])
+@pytest.mark.parametrize("when", ["before_first_token", "mid_stream", "non_streaming"])
 def test_client_disconnect_closes_the_upstream_at_once(sim, proxy, when):
     before = sim.stats()["disconnects"]
-    headers = {"authorization": f"Bearer {KEY}", "x-sim-decode-tps": "50", "x-sim-ttft-ms": "2000" if when == "before_first_token" else "0"}
-    with httpx.stream("POST", f"{proxy.v1}/chat/completions", json=chat_body(200), headers=headers, timeout=30) as r:
-        if when == "mid_stream":
-            seen = 0
-            for part in r.iter_raw():
-                seen += part.count(b'"content":" ')
-                if seen >= 3:
-                    break
-        else:
+    headers = {"authorization": f"Bearer {KEY}", "x-sim-decode-tps": "50", "x-sim-ttft-ms": "0" if when == "mid_stream" else "2000"}
+    if when == "non_streaming":  # no response headers until the end: leave from a raw socket
+        payload = orjson.dumps(chat_body(200, stream=False))
+        head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        with socket.create_connection(("127.0.0.1", proxy.port)) as sock:
+            sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                         f"content-length: {len(payload)}\r\n{head}\r\n".encode() + payload)
             time.sleep(0.3)
+    else:
+        with httpx.stream("POST", f"{proxy.v1}/chat/completions", json=chat_body(200), headers=headers, timeout=30) as r:
+            if when == "mid_stream":
+                seen = 0
+                for part in r.iter_raw():
+                    seen += part.count(b'"content":" ')
+                    if seen >= 3:
+                        break
+            else:
+                time.sleep(0.3)
     closed_at = time.monotonic()
     while sim.stats()["disconnects"] == before and time.monotonic() - closed_at < 2:
         time.sleep(0.01)
@@ -206,3 +214,19 @@ def test_authorization_is_forwarded_or_replaced_and_never_recorded(sim, proxy_fa
         exposed = httpx.get(f"{server.url}/metrics").text + orjson.dumps(server.records()).decode()
         exposed += "".join(str(dict(s.attributes)) for s in server.exporter.get_finished_spans())
         assert KEY not in exposed and "sk-upstream-xyz" not in exposed
+
+
+def test_telemetry_failures_are_counted_and_never_reach_the_client(proxy, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("exporter exploded")
+
+    monkeypatch.setattr(proxy.app.telemetry.tracing, "finish", broken)
+    monkeypatch.setattr(proxy.app.telemetry.tokenizer, "timed_prompt_count", broken)
+    c = client(proxy)
+    for _ in range(2):
+        chunks = list(c.chat.completions.create(model="sim-7b", messages=[{"role": "user", "content": "x"}], max_tokens=3, stream=True))
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == " the of and"
+    proxy.wait_records(2)
+    assert proxy.sample("llmproxy_telemetry_errors_total", {"component": "tracing"}) == 2
+    assert proxy.sample("llmproxy_telemetry_errors_total", {"component": "tokenizer"}) == 2
+    assert proxy.last_record()["outcome"] == "ok"

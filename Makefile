@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install prometheus demo test test-fast bench dashboards clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,8 +17,14 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m proxy demo
 
-test: $(STAMP)
+prometheus:
+	scripts/ensure-prometheus.sh
+
+test: $(STAMP) prometheus
 	$(PY) -m pytest
+
+dashboards: $(STAMP)
+	$(PY) dashboards/generate.py
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not e2e"

@@ -63,6 +63,16 @@ def demo(args: argparse.Namespace) -> int:
     return run_demo(repeats=args.repeats, output_tokens=args.output_tokens)
 
 
+def load(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from .load import run_load
+
+    result = asyncio.run(run_load(args.base_url, args.concurrency, args.duration, args.requests, seed=args.seed))
+    print(f"sent {result.sent}, statuses {dict(sorted(result.statuses.items()))}, transport failures {result.failures}")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="llm-latency-proxy", description="OpenAI-compatible proxy that measures where each request's time goes.")
     commands = root.add_subparsers(dest="command", required=True)
@@ -89,6 +99,14 @@ def parser() -> argparse.ArgumentParser:
     p_demo.add_argument("--repeats", type=int, default=3, help="requests per case (the table shows medians)")
     p_demo.add_argument("--output-tokens", type=int, default=100)
     p_demo.set_defaults(func=demo)
+
+    p_load = commands.add_parser("load", help="send a bounded traffic mix (chat/completions, stream or not, some errors)")
+    p_load.add_argument("--base-url", default="http://127.0.0.1:8080/v1")
+    p_load.add_argument("--concurrency", type=int, default=4)
+    p_load.add_argument("--duration", type=float, default=30.0, help="seconds (the loop always stops)")
+    p_load.add_argument("--requests", type=int, default=None, help="stop after this many requests")
+    p_load.add_argument("--seed", type=int, default=0)
+    p_load.set_defaults(func=load)
     return root
 
 

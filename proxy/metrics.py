@@ -31,6 +31,8 @@ PREFILL_TPS_BUCKETS = TPS_BUCKETS + (20000.0, 50000.0, 100000.0)
 TOKENIZE_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 
 BASE = ("model", "upstream", "endpoint", "stream")
+# Telemetry components, initialised to 0 so dashboards and alerts see the series before any error.
+COMPONENTS = ("metrics", "tracing", "tokenizer", "records", "timing", "otlp_export")
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,8 @@ class ProxyMetrics:
             else:
                 self.m[d.name] = Histogram(d.name, d.doc, d.labels, registry=registry, buckets=d.buckets)
         self._bound: dict[tuple[str, ...], dict[str, Any]] = {}
+        for component in COMPONENTS:
+            self.m["llmproxy_telemetry_errors"].labels(component)
 
     def _children(self, model: str, upstream: str, endpoint: str, stream: str) -> dict[str, Any]:
         key = (model, upstream, endpoint, stream)

@@ -1,0 +1,182 @@
+"""Generates dashboards/grafana/llm-latency-breakdown.json with grafana-foundation-sdk.
+
+    .venv/bin/python dashboards/generate.py          # rewrite the committed JSON
+    .venv/bin/python dashboards/generate.py --check  # exit 1 if the committed JSON differs
+
+Every query uses only metric names from proxy/metrics.py (a test checks it), and every panel
+query runs against a real Prometheus in the test suite.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from grafana_foundation_sdk.builders import heatmap, prometheus, stat, table, timeseries
+from grafana_foundation_sdk.builders.common import StackingConfig, VizLegendOptions
+from grafana_foundation_sdk.builders.dashboard import (
+    Dashboard,
+    DatasourceVariable,
+    QueryVariable,
+    Row,
+)
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models.common import LegendDisplayMode, LegendPlacement, StackingMode
+from grafana_foundation_sdk.models.dashboard import DataSourceRef, DataTransformerConfig, GridPos, VariableRefresh
+from grafana_foundation_sdk.models.prometheus import PromQueryFormat
+
+OUTPUT = Path(__file__).resolve().parent / "grafana" / "llm-latency-breakdown.json"
+DS = DataSourceRef(type_val="prometheus", uid="${datasource}")
+SEL = 'upstream=~"$upstream", model=~"$model", endpoint=~"$endpoint"'
+SEL_MODEL = 'upstream=~"$upstream", model=~"$model"'
+UP = 'upstream=~"$upstream"'
+RI = "$__rate_interval"
+
+LATENCY_VS_THROUGHPUT = (
+    "Per-request decode speed (what one user feels) next to aggregate output tokens per second "
+    "(what the server produces for everyone). Decode is memory-bandwidth bound: each step reads the "
+    "weights and KV cache once, so batching many requests multiplies aggregate throughput while each "
+    "stream stays at roughly 50-150 tok/s. The two differ by about the batch size: an order of "
+    "magnitude under load. Slow responses are a per-request problem; look at the left series."
+)
+
+
+def q(expr: str, legend: str, ref: str, instant: bool = False, fmt: str | None = None) -> prometheus.Dataquery:
+    target = prometheus.Dataquery().expr(expr).legend_format(legend).ref_id(ref).datasource(DS)
+    if instant:
+        target = target.instant().format(PromQueryFormat(fmt or "table"))
+    elif fmt:
+        target = target.format(PromQueryFormat(fmt))
+    return target
+
+
+def quantiles(metric: str, sel: str, by: str = "le") -> list[prometheus.Dataquery]:
+    return [q(f"histogram_quantile({p}, sum by ({by}) (rate({metric}_bucket{{{sel}}}[{RI}])))", f"p{int(p * 100)}", chr(65 + i))
+            for i, p in enumerate((0.5, 0.95, 0.99))]
+
+
+def ts(title: str, unit: str, targets: list[prometheus.Dataquery], x: int, y: int, w: int = 12, h: int = 8,
+       description: str = "", stack: StackingMode | None = None) -> timeseries.Panel:
+    panel = timeseries.Panel().title(title).unit(unit).datasource(DS).grid_pos(GridPos(h=h, w=w, x=x, y=y))
+    panel = panel.legend(VizLegendOptions().display_mode(LegendDisplayMode.LIST).placement(LegendPlacement.BOTTOM).show_legend(True))
+    if description:
+        panel = panel.description(description)
+    if stack is not None:
+        panel = panel.stacking(StackingConfig().mode(stack)).fill_opacity(60)
+    for target in targets:
+        panel = panel.with_target(target)
+    return panel
+
+
+def build() -> dict:
+    d = (
+        Dashboard("LLM latency breakdown")
+        .uid("llm-latency-breakdown")
+        .description("Where each LLM request's time goes, measured by llm-latency-proxy: network, tokenize, prefill, decode, proxy.")
+        .tags(["llm", "latency", "llm-latency-proxy"])
+        .refresh("30s")
+        .time("now-1h", "now")
+        .timezone("browser")
+        .with_variable(DatasourceVariable("datasource").label("Data source").type("prometheus"))
+    )
+    for name, source in (("upstream", "llmproxy_requests_total, upstream"),
+                         ("model", 'llmproxy_requests_total{upstream=~"$upstream"}, model'),
+                         ("endpoint", 'llmproxy_requests_total{upstream=~"$upstream"}, endpoint')):
+        d = d.with_variable(QueryVariable(name).label(name.capitalize()).datasource(DS).query(f"label_values({source})")
+                            .multi(True).include_all(True).all_value(".*").refresh(VariableRefresh.ON_TIME_RANGE_CHANGED))
+
+    per_request = f"scalar(sum(rate(llmproxy_request_duration_seconds_count{{{SEL}}}[{RI}])))"
+    d = d.with_row(Row("Where the time goes"))
+    d = d.with_panel(ts("Mean seconds per request, by phase", "s", [
+        q(f"sum by (phase) (rate(llmproxy_phase_seconds_sum{{{SEL}}}[{RI}])) / {per_request}", "{{phase}}", "A")], 0, 1,
+        description="Stacked: the phases sum to the mean end-to-end duration. decode dominates short prompts; prefill dominates very long ones.",
+        stack=StackingMode.NORMAL))
+    d = d.with_panel(ts("Share of total time, by phase", "percentunit", [
+        q(f"sum by (phase) (rate(llmproxy_phase_seconds_sum{{{SEL}}}[{RI}])) / scalar(sum(rate(llmproxy_request_duration_seconds_sum{{{SEL}}}[{RI}])))", "{{phase}}", "A")],
+        12, 1, stack=StackingMode.NORMAL))
+
+    d = d.with_row(Row("Latency"))
+    d = d.with_panel(ts("Time to first token", "s", quantiles("llmproxy_time_to_first_token_seconds", SEL), 0, 10))
+    d = d.with_panel(ts("End-to-end duration", "s", quantiles("llmproxy_request_duration_seconds", SEL), 12, 10))
+
+    d = d.with_row(Row("Latency vs throughput"))
+    d = d.with_panel(ts("Decode speed: per request vs aggregate", "short", [
+        q(f"histogram_quantile(0.5, sum by (le) (rate(llmproxy_decode_tokens_per_second_bucket{{{SEL}}}[{RI}])))", "per request p50 (tok/s)", "A"),
+        q(f"histogram_quantile(0.1, sum by (le) (rate(llmproxy_decode_tokens_per_second_bucket{{{SEL}}}[{RI}])))", "per request p10 (tok/s)", "B"),
+        q(f'sum(rate(llmproxy_tokens_total{{{SEL_MODEL}, kind="completion"}}[{RI}]))', "aggregate output (tok/s)", "C"),
+    ], 0, 19, w=24, description=LATENCY_VS_THROUGHPUT))
+    itl = (heatmap.Panel().title("Inter-token latency").datasource(DS).grid_pos(GridPos(h=8, w=8, x=0, y=27)).unit("s")
+           .with_target(q(f"sum by (le) (increase(llmproxy_inter_token_latency_seconds_bucket{{{SEL}}}[{RI}]))", "{{le}}", "A", fmt="heatmap"))
+           .description("Gap between consecutive content chunks divided by the tokens in the later chunk."))
+    d = d.with_panel(itl)
+    d = d.with_panel(ts("Inter-chunk gap vs inter-token latency", "s", [
+        q(f"histogram_quantile(0.5, sum by (le) (rate(llmproxy_inter_chunk_latency_seconds_bucket{{{SEL}}}[{RI}])))", "chunk gap p50", "A"),
+        q(f"histogram_quantile(0.5, sum by (le) (rate(llmproxy_inter_token_latency_seconds_bucket{{{SEL}}}[{RI}])))", "per token p50", "B"),
+        q(f"histogram_quantile(0.99, sum by (le) (rate(llmproxy_inter_chunk_latency_seconds_bucket{{{SEL}}}[{RI}])))", "chunk gap p99", "C"),
+    ], 8, 27, w=8, description="Equal when the engine streams one token per chunk; a chunk gap larger than the token latency means several tokens per chunk."))
+    d = d.with_panel(ts("Prefill tokens per second, per request", "short", [
+        q(f"histogram_quantile(0.5, sum by (le) (rate(llmproxy_prefill_tokens_per_second_bucket{{{SEL}}}[{RI}])))", "p50", "A"),
+        q(f"histogram_quantile(0.1, sum by (le) (rate(llmproxy_prefill_tokens_per_second_bucket{{{SEL}}}[{RI}])))", "p10", "B"),
+    ], 16, 27, w=8))
+
+    d = d.with_row(Row("Network"))
+    d = d.with_panel(ts("Upstream connect time by step (new connections)", "s", [
+        q(f"sum by (step) (rate(llmproxy_upstream_connect_seconds_sum{{{UP}}}[{RI}])) / sum by (step) (rate(llmproxy_upstream_connect_seconds_count{{{UP}}}[{RI}]))", "{{step}} mean", "A")],
+        0, 36, w=8))
+    d = d.with_panel(ts("Connection reuse ratio", "percentunit", [
+        q(f'sum(rate(llmproxy_upstream_connections_total{{{UP}, reused="true"}}[{RI}])) / sum(rate(llmproxy_upstream_connections_total{{{UP}}}[{RI}]))', "reused", "A")],
+        8, 36, w=8))
+    d = d.with_panel(ts("Upstream RTT (kernel smoothed)", "s", quantiles("llmproxy_upstream_rtt_seconds", UP)[:3:2], 16, 36, w=8))
+
+    d = d.with_row(Row("Tokenizer"))
+    d = d.with_panel(ts("Tokenizer seconds per request", "s", [
+        q(f'sum by (kind) (rate(llmproxy_tokenize_seconds_sum{{model=~"$model"}}[{RI}])) / sum by (kind) (rate(llmproxy_tokenize_seconds_count{{model=~"$model"}}[{RI}]))', "{{kind}}", "A")],
+        0, 45))
+    d = d.with_panel(ts("Tokenizer microseconds per prompt token", "µs", [
+        q(f'1e6 * sum(rate(llmproxy_tokenize_seconds_sum{{model=~"$model", kind="prompt"}}[{RI}])) / sum(rate(llmproxy_tokens_total{{{SEL_MODEL}, kind="prompt"}}[{RI}]))', "µs per token", "A")],
+        12, 45))
+
+    d = d.with_row(Row("Requests and the proxy itself"))
+    d = d.with_panel(ts("Requests by outcome and code", "reqps", [
+        q(f"sum by (outcome, code) (rate(llmproxy_requests_total{{{SEL}}}[{RI}]))", "{{outcome}} {{code}}", "A")], 0, 54, w=8))
+    d = d.with_panel(stat.Panel().title("In flight").datasource(DS).grid_pos(GridPos(h=8, w=4, x=8, y=54))
+                     .with_target(q(f"sum(llmproxy_requests_in_flight{{{UP}}})", "in flight", "A")))
+    d = d.with_panel(ts("Proxy's own overhead (phase proxy)", "s", quantiles("llmproxy_phase_seconds", f'{SEL}, phase="proxy"')[::2], 12, 54, w=6))
+    d = d.with_panel(ts("Telemetry errors", "short", [
+        q(f"sum by (component) (rate(llmproxy_telemetry_errors_total[{RI}]))", "{{component}}", "A")], 18, 54, w=6,
+        description="Failures inside metrics, tracing, tokenizer or records. Requests were unaffected, but numbers may be missing."))
+
+    d = d.with_row(Row("Per model"))
+    per_model = (
+        table.Panel().title("Per model").datasource(DS).grid_pos(GridPos(h=8, w=24, x=0, y=63))
+        .with_transformation(DataTransformerConfig(id_val="merge", options={}))
+        .with_transformation(DataTransformerConfig(id_val="organize", options={"excludeByName": {"Time": True}}))
+        .with_target(q(f"sum by (model) (increase(llmproxy_requests_total{{{SEL}}}[$__range]))", "requests", "A", instant=True))
+        .with_target(q(f"histogram_quantile(0.95, sum by (model, le) (rate(llmproxy_time_to_first_token_seconds_bucket{{{SEL}}}[$__range])))", "ttft p95", "B", instant=True))
+        .with_target(q(f"histogram_quantile(0.5, sum by (model, le) (rate(llmproxy_decode_tokens_per_second_bucket{{{SEL}}}[$__range])))", "decode p50", "C", instant=True))
+        .with_target(q(f'sum by (model) (increase(llmproxy_tokens_total{{{SEL_MODEL}, kind="prompt"}}[$__range]))', "tokens in", "D", instant=True))
+        .with_target(q(f'sum by (model) (increase(llmproxy_tokens_total{{{SEL_MODEL}, kind="completion"}}[$__range]))', "tokens out", "E", instant=True))
+    )
+    d = d.with_panel(per_model)
+    return json.loads(json.dumps(d.build(), cls=JSONEncoder))
+
+
+def render() -> str:
+    return json.dumps(build(), indent=2, sort_keys=True) + "\n"
+
+
+def main() -> int:
+    text = render()
+    if "--check" in sys.argv:
+        if not OUTPUT.exists() or OUTPUT.read_text() != text:
+            print(f"{OUTPUT} is stale: run dashboards/generate.py", file=sys.stderr)
+            return 1
+        return 0
+    OUTPUT.parent.mkdir(parents=True, exist_ok=True)
+    OUTPUT.write_text(text)
+    print(f"wrote {OUTPUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,79 @@
+"""`llm-latency-proxy load`: a bounded traffic mix for dashboards, alerts and soak runs.
+
+Each of `concurrency` workers loops until `duration_s` passes or `requests` were sent: chat or
+completions, streaming or not, prompt lengths from short to long, two model names, and a small
+share of injected upstream errors (the simulator's `x-sim-error-status`). It talks raw HTTP with
+httpx so the load generator stays cheap on a small machine.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import httpx
+
+WORDS = (" the", " of", " and", " to", " in", " is", " that", " for", " it", " with", " as", " on")
+
+
+@dataclass
+class Mix:
+    models: tuple[str, ...] = ("sim-7b", "sim-70b")
+    prompt_tokens: tuple[int, ...] = (50, 200, 1000, 3000)
+    max_tokens: tuple[int, ...] = (10, 30, 60)
+    stream_share: float = 0.85
+    chat_share: float = 0.8
+    error_share: float = 0.03
+    extra_headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class LoadResult:
+    sent: int = 0
+    statuses: Counter[int] = field(default_factory=Counter)
+    failures: int = 0  # transport errors at the client
+
+
+def _prompt(tokens: int) -> str:
+    return "".join(WORDS[i % len(WORDS)] for i in range(tokens))
+
+
+async def _one(client: httpx.AsyncClient, rng: random.Random, mix: Mix, result: LoadResult) -> None:
+    chat = rng.random() < mix.chat_share
+    body: dict[str, object] = {"model": rng.choice(mix.models), "max_tokens": rng.choice(mix.max_tokens),
+                               "stream": rng.random() < mix.stream_share}
+    text = _prompt(rng.choice(mix.prompt_tokens))
+    if chat:
+        body["messages"] = [{"role": "user", "content": text}]
+    else:
+        body["prompt"] = text
+    headers = dict(mix.extra_headers)
+    if rng.random() < mix.error_share:
+        headers["x-sim-error-status"] = rng.choice(("500", "429", "503"))
+    result.sent += 1
+    try:
+        async with client.stream("POST", "/chat/completions" if chat else "/completions", json=body, headers=headers) as r:
+            async for _ in r.aiter_raw():
+                pass
+            result.statuses[r.status_code] += 1
+    except httpx.HTTPError:
+        result.failures += 1
+
+
+async def run_load(base_url: str, concurrency: int = 4, duration_s: float = 10.0, requests: int | None = None,
+                   mix: Mix | None = None, seed: int = 0, api_key: str = "load-test-key") -> LoadResult:
+    mix = mix or Mix()
+    result = LoadResult()
+    deadline = time.monotonic() + duration_s
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=base_url, timeout=120, limits=limits, headers={"authorization": f"Bearer {api_key}"}) as client:
+
+        async def worker(index: int) -> None:
+            rng = random.Random(seed * 1000 + index)
+            while time.monotonic() < deadline and (requests is None or result.sent < requests):
+                await _one(client, rng, mix, result)
+
+        await asyncio.gather(*(worker(i) for i in range(concurrency)))
+    return result

@@ -1,0 +1,111 @@
+"""Dashboard, rules and compose files: generated, consistent with the proxy's metrics, valid."""
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+
+import yaml
+
+from dashboards_util import (COMPOSE, DASHBOARD, PROM_CONFIG, ROOT, RULES, RULES_TEST, dashboard, defined_series,
+                             metric_names, panel_targets, rules)
+
+sys.path.insert(0, str(ROOT / "dashboards"))
+import generate  # noqa: E402
+
+from proxy.cli import parser  # noqa: E402
+
+
+def test_committed_dashboard_equals_the_generated_one():
+    assert DASHBOARD.read_text() == generate.render(), "run: make dashboards"
+
+
+def test_metric_name_extraction():
+    expr = 'sum by (phase) (rate(llmproxy_phase_seconds_sum{model=~"$m", phase="x"}[5m])) / scalar(sum(up))'
+    assert metric_names(expr) == {"llmproxy_phase_seconds_sum", "up"}
+    assert metric_names("llmproxy:decode_requests:rate1h offset 1d > 0.05") == {"llmproxy:decode_requests:rate1h"}
+
+
+def test_every_metric_used_is_one_the_proxy_defines():
+    defined = defined_series()
+    recorded = {rule["record"] for rule in rules() if "record" in rule}
+    used_in_dashboard = {name for _, target in panel_targets() for name in metric_names(target["expr"])}
+    for variable in dashboard()["templating"]["list"]:
+        if variable["type"] == "query":
+            used_in_dashboard |= metric_names(variable["query"].removeprefix("label_values(").split(",")[0])
+    assert used_in_dashboard and used_in_dashboard <= defined, used_in_dashboard - defined
+    used_in_rules = {name for rule in rules() for name in metric_names(rule["expr"])}
+    assert used_in_rules <= defined | recorded | {"up"}, used_in_rules - defined - recorded
+    for name in recorded:
+        assert name.startswith("llmproxy:") and name.count(":") == 2
+
+
+def test_dashboard_structure():
+    d = dashboard()
+    variables = {v["name"]: v for v in d["templating"]["list"]}
+    assert set(variables) == {"datasource", "upstream", "model", "endpoint"}
+    assert variables["datasource"]["query"] == "prometheus"
+    titles = [p["title"] for p in d["panels"]]
+    for needed in ("Mean seconds per request, by phase", "Share of total time, by phase", "Time to first token",
+                   "End-to-end duration", "Decode speed: per request vs aggregate", "Inter-token latency",
+                   "Prefill tokens per second, per request", "Upstream connect time by step (new connections)",
+                   "Connection reuse ratio", "Upstream RTT (kernel smoothed)", "Tokenizer seconds per request",
+                   "Tokenizer microseconds per prompt token", "Requests by outcome and code", "In flight",
+                   "Proxy's own overhead (phase proxy)", "Telemetry errors", "Per model"):
+        assert needed in titles, needed
+    for panel in d["panels"]:
+        if panel["type"] == "row":
+            continue
+        assert panel["datasource"]["uid"] == "${datasource}"
+        refs = [t["refId"] for t in panel["targets"]]
+        assert refs and len(refs) == len(set(refs)), panel["title"]
+        assert {"x", "y", "w", "h"} <= set(panel["gridPos"])
+    throughput = next(p for p in d["panels"] if p["title"] == "Decode speed: per request vs aggregate")
+    assert "order of magnitude" in throughput["description"]
+
+
+def test_every_alert_has_annotations_and_a_runbook():
+    alerts = [r for r in rules() if "alert" in r]
+    names = {a["alert"] for a in alerts}
+    assert {"LLMDecodeSpeedLow", "LLMDecodeSpeedDropped", "LLMTimeToFirstTokenHigh", "LLMUpstreamErrorRateHigh",
+            "LLMProxyOverheadHigh", "LLMProxyDown"} <= names
+    for alert in alerts:
+        assert {"summary", "description", "runbook"} <= set(alert["annotations"]), alert["alert"]
+    tested = {a["alertname"] for t in yaml.safe_load(RULES_TEST.read_text())["tests"] for a in t["alert_rule_test"]}
+    assert names <= tested
+
+
+def promtool(*args: str) -> str:
+    exe = shutil.which("promtool")
+    assert exe, "promtool missing: run `make test` (it installs Debian's prometheus package)"
+    result = subprocess.run([exe, *args], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout + result.stderr
+
+
+def test_promtool_check_config_and_rules():
+    assert "SUCCESS" in promtool("check", "config", str(PROM_CONFIG))
+    assert "SUCCESS: 16 rules found" in promtool("check", "rules", str(RULES))
+
+
+def test_promtool_rule_unit_tests():
+    assert "SUCCESS" in promtool("test", "rules", str(RULES_TEST))
+
+
+def test_compose_services_agree_with_the_cli_and_the_scrape_config():
+    compose = yaml.safe_load(COMPOSE.read_text())["services"]
+    cli = parser()
+    sim = cli.parse_args(compose["simulator"]["command"])
+    proxy = cli.parse_args(compose["proxy"]["command"])
+    assert isinstance(sim, argparse.Namespace) and sim.command == "simulate"
+    assert proxy.command == "serve" and proxy.upstream == f"http://simulator:{sim.port}/v1"
+    assert compose["proxy"]["ports"] == [f"{proxy.port}:{proxy.port}"]
+    scrape = yaml.safe_load(PROM_CONFIG.read_text())["scrape_configs"][0]
+    assert scrape["static_configs"][0]["targets"] == [f"proxy:{proxy.port}"]
+    assert "load --base-url http://proxy:8080/v1" in compose["traffic"]["entrypoint"][-1]
+    load = cli.parse_args(["load", "--base-url", "http://proxy:8080/v1", "--concurrency", "4", "--duration", "300"])
+    assert load.command == "load"
+    datasource = yaml.safe_load((ROOT / "dashboards/grafana/provisioning/datasources/prometheus.yml").read_text())
+    assert datasource["datasources"][0]["url"].endswith(":9090")
+    assert "9090:9090" in compose["prometheus"]["ports"]

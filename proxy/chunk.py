@@ -92,3 +92,19 @@ def strip_usage_null(raw: bytes) -> bytes:
         if pattern in raw:
             return raw.replace(pattern, b"", 1)
     return raw
+
+
+ENGINE_FIELDS = ("timings",)
+
+
+def without_engine_fields(data: bytes) -> bytes:
+    """The JSON payload minus engine-only fields (llama.cpp `timings`); unchanged if none or invalid."""
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return data
+    if not isinstance(obj, dict) or not any(key in obj for key in ENGINE_FIELDS):
+        return data
+    for key in ENGINE_FIELDS:
+        obj.pop(key, None)
+    return orjson.dumps(obj)

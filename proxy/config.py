@@ -49,6 +49,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_connections", int, 1000, "upstream connection pool size"),
     Option("ca_bundle", str, "", "CA bundle file for a TLS upstream (default: the system store)"),
     Option("inject_usage", bool, True, "ask streaming upstreams for usage and strip the extra chunk"),
+    Option("strip_engine_fields", bool, False, "remove engine-only fields (llama.cpp `timings`) from what the client receives"),
     Option("tokenize", bool, True, "count prompt tokens with the tokenizer off the critical path (the tokenize phase)"),
     Option("default_encoding", str, "o200k_base", "tiktoken encoding for models tiktoken does not know"),
     Option("max_models", int, 100, "distinct model label values before later ones become `other`"),
@@ -92,6 +93,7 @@ class Settings:
     max_connections: int = 1000
     ca_bundle: str = ""
     inject_usage: bool = True
+    strip_engine_fields: bool = False
     tokenize: bool = True
     default_encoding: str = "o200k_base"
     max_models: int = 100

@@ -57,11 +57,13 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("llmproxy_inter_chunk_latency_seconds", "histogram", "Gap between consecutive content chunks.", BASE, GAP_BUCKETS),
     MetricDef("llmproxy_decode_tokens_per_second", "histogram", "Per request: (completion_tokens - 1) / (last content chunk - first content chunk).", BASE, TPS_BUCKETS),
     MetricDef("llmproxy_prefill_tokens_per_second", "histogram", "Per request: prompt_tokens / prefill phase seconds.", BASE, PREFILL_TPS_BUCKETS),
-    MetricDef("llmproxy_phase_seconds", "histogram", "Seconds of each phase of a request (proxy, network, tokenize, prefill, decode, server); the phases sum to the request duration.", BASE + ("phase",), LATENCY_BUCKETS),
+    MetricDef("llmproxy_phase_seconds", "histogram", "Seconds of each phase of a request (proxy, network, tokenize, queue, prefill, decode, server); the phases sum to the request duration.", BASE + ("phase",), LATENCY_BUCKETS),
+    MetricDef("llmproxy_engine_prefill_seconds", "histogram", "Reported by the engine (llama.cpp timings.prompt_ms): its prompt processing time.", BASE, LATENCY_BUCKETS),
+    MetricDef("llmproxy_engine_time_per_output_token_seconds", "histogram", "Reported by the engine (llama.cpp timings.predicted_per_token_ms): its decode time per output token.", BASE, GAP_BUCKETS),
     MetricDef("llmproxy_upstream_connect_seconds", "histogram", "Opening a new upstream connection, by step (dns, tcp, tls).", ("upstream", "step"), LATENCY_BUCKETS),
     MetricDef("llmproxy_upstream_rtt_seconds", "histogram", "Kernel smoothed RTT (TCP_INFO) of the upstream connection a request used.", ("upstream",), LATENCY_BUCKETS),
     MetricDef("llmproxy_tokenize_seconds", "histogram", "Tokenizer time per request, by kind (prompt, completion).", ("model", "kind"), TOKENIZE_BUCKETS),
-    MetricDef("llmproxy_tokens", "counter", "Tokens by kind (prompt, completion) and source (usage, tokenizer).", ("model", "upstream", "kind", "source")),
+    MetricDef("llmproxy_tokens", "counter", "Tokens by kind (prompt, completion) and source (usage, engine, tokenizer).", ("model", "upstream", "kind", "source")),
     MetricDef("llmproxy_upstream_connections", "counter", "Upstream requests by whether they reused a pooled connection.", ("upstream", "reused")),
     MetricDef("llmproxy_telemetry_errors", "counter", "Failures inside metrics, tracing, tokenizer or records; the request itself was unaffected.", ("component",)),
 )
@@ -135,6 +137,12 @@ class ProxyMetrics:
             icl.observe(gap)
         for gap in b.inter_token_s:
             itl.observe(gap)
+        engine = t.engine
+        if engine is not None:
+            if engine.prompt_s is not None:
+                c["llmproxy_engine_prefill_seconds"].observe(engine.prompt_s)
+            if engine.per_token_s is not None:
+                c["llmproxy_engine_time_per_output_token_seconds"].observe(engine.per_token_s)
         phases = c["phase"]
         for phase, seconds in b.phases.items():
             child = phases.get(phase)

@@ -12,14 +12,15 @@ import asyncio
 import logging
 import time
 import zlib
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpcore
 import orjson
 
-from .chunk import DONE, parse_chunk, strip_usage_null
+from .chunk import DONE, Chunk, parse_chunk, strip_usage_null, without_engine_fields
+from .engine import from_llamacpp
 from .errors import ProxyError, map_transport_error
-from .sse import SSEDecoder
+from .sse import Event, SSEDecoder
 from .timing import RequestTiming, now_ns
 
 log = logging.getLogger("llmproxy.relay")
@@ -77,6 +78,9 @@ class Exchange:
         self.usage: dict[str, Any] | None = None
         self.json_body: list[bytes] | None = None
         self.body_encoding = b"identity"
+        self.injected = False  # we asked for include_usage: drop the usage chunk, strip usage:null
+        self.strip = False  # --strip-engine-fields applies to this response
+        self.rewrite = False  # forward per SSE event instead of per read
 
     async def _read_body(self) -> bytes:
         parts = []
@@ -100,23 +104,20 @@ class Exchange:
     async def run(self) -> None:
         t, app = self.t, self.app
         wall_offset = time.time_ns() - t.received_ns
-        spans = None
         try:
             body = await self._read_body()
         except ClientGone:
             t.outcome, t.status_code = "client_disconnect", 499
             await app.telemetry.finish(t, None, wall_offset)
             return
-        path = self.scope["path"][3:]
-        t.endpoint, parsed = parse_request(path, body)
-        inject = False
+        t.endpoint, parsed = parse_request(self.scope["path"][3:], body)
         if parsed is not None:
             t.model = str(parsed.get("model") or "unknown")
             t.stream = parsed.get("stream") is True
-            if t.stream and app.settings.inject_usage and t.endpoint in ("chat", "completions"):
+            if t.stream and app.settings.inject_usage and not app.upstream.reports_counts and t.endpoint in ("chat", "completions"):
                 new_body = usage_injected_body(parsed)
                 if new_body is not None:
-                    body, inject = new_body, True
+                    body, self.injected = new_body, True
         headers = app.upstream_headers(self.scope["headers"], len(body))
         spans = app.telemetry.start(t, self.scope["headers"], parsed, wall_offset)
         if spans is not None:
@@ -126,7 +127,7 @@ class Exchange:
         self.relaying = True
         watcher = asyncio.create_task(self._watch(task))
         try:
-            await self._exchange(body, headers, inject)
+            await self._exchange(body, headers)
         except asyncio.CancelledError:
             if not self.client_gone:
                 raise
@@ -141,39 +142,46 @@ class Exchange:
             if t.response_end_ns is None:
                 t.response_end_ns = now_ns()
             t.upstream_end_ns = t.upstream_end_ns or t.response_end_ns
-        await app.telemetry.finish(t, spans, wall_offset, self.usage, read_json_usage(self.json_body, self.body_encoding))
+        body_info = read_json_body(self.json_body, self.body_encoding)
+        if body_info.timings is not None and t.engine is None:
+            t.engine = from_llamacpp(body_info.timings)
+        if t.stream and t.engine is not None and t.engine.predicted_tokens is not None:
+            app.upstream.reports_counts = True
+        await app.telemetry.finish(t, spans, wall_offset, self.usage, body_info)
 
-    async def _exchange(self, body: bytes, headers: list[tuple[bytes, bytes]], inject: bool) -> None:
+    async def _exchange(self, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
         t, app = self.t, self.app
-        method = self.scope["method"]
         url = app.upstream.url(self.scope["path"][3:], self.scope.get("query_string", b""))
         try:
-            self.response = await app.upstream.send(method, url, headers, body, t)
+            self.response = await app.upstream.send(self.scope["method"], url, headers, body, t)
         except Exception as exc:
             await self._fail(map_transport_error(exc, app.upstream.label))
             return
         response = self.response
         t.status_code = response.status
-        out_headers = filter_headers(response.headers)
-        content_type = next((v for k, v in out_headers if k.lower() == b"content-type"), b"")
-        is_sse = content_type.startswith(b"text/event-stream")
-        if is_sse:
-            out_headers.append((b"x-accel-buffering", b"no"))
-        if not inject or not is_sse:
-            inject = False
-            length = next((v for k, v in response.headers if k.lower() == b"content-length"), None)
-            if length is not None:
-                out_headers.append((b"content-length", length))
         if response.status >= 400:
             t.outcome = "upstream_error"
+        out_headers = filter_headers(response.headers)
+        content_type = _header(response.headers, b"content-type", b"")
+        encoding = _header(response.headers, b"content-encoding", b"identity")
+        is_sse = content_type.startswith(b"text/event-stream")
+        json_ok = not is_sse and response.status < 400 and encoding in (b"identity", b"gzip", b"deflate")
+        self.strip = app.settings.strip_engine_fields and (is_sse or (json_ok and encoding == b"identity"))
+        self.rewrite = is_sse and (self.injected or self.strip)
+        if is_sse:
+            out_headers.append((b"x-accel-buffering", b"no"))
+        elif self.strip:
+            await self._buffered(response, out_headers)
+            return
+        length = _header(response.headers, b"content-length", None)
+        if length is not None and not self.rewrite:
+            out_headers.append((b"content-length", length))
+        if json_ok:
+            self.json_body, self.body_encoding = [], encoding
         await self.send({"type": "http.response.start", "status": response.status, "headers": out_headers})
         self.started = True
-        encoding = next((v for k, v in response.headers if k.lower() == b"content-encoding"), b"identity")
-        if not is_sse and response.status < 400 and encoding in (b"identity", b"gzip", b"deflate"):
-            self.json_body = []
-            self.body_encoding = encoding
         try:
-            await self._stream(response, SSEDecoder() if is_sse else None, inject)
+            await self._stream(response, SSEDecoder() if is_sse else None)
         except (httpcore.TimeoutException, httpcore.NetworkError, httpcore.ProtocolError) as exc:
             error = map_transport_error(exc, app.upstream.label)
             t.upstream_end_ns = now_ns()
@@ -183,21 +191,19 @@ class Exchange:
             return
         t.response_end_ns = now_ns()
 
-    async def _stream(self, response: httpcore.Response, decoder: SSEDecoder | None, inject: bool) -> None:
-        t, send = self.t, self.send
+    async def _stream(self, response: httpcore.Response, decoder: SSEDecoder | None) -> None:
+        """The hot loop: timestamp, forward, then note what the bytes meant."""
+        t, send, rewrite = self.t, self.send, self.rewrite
         json_body = self.json_body
         kept = 0
         async for chunk in response.aiter_stream():  # type: ignore[attr-defined]
             now = now_ns()
             if t.first_byte_ns is None:
                 t.first_byte_ns = now
-            if inject:
-                out = []
-                for event in decoder.feed(chunk):  # type: ignore[union-attr]
-                    if self._note(event.data, now):
-                        out.append(strip_usage_null(event.raw))
+            if rewrite:
+                out = b"".join([self._rewritten(event, now) for event in decoder.feed(chunk)])  # type: ignore[union-attr]
                 if out:
-                    await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
+                    await send({"type": "http.response.body", "body": out, "more_body": True})
                 continue
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
             if decoder is not None:
@@ -209,15 +215,16 @@ class Exchange:
         t.upstream_end_ns = now = now_ns()
         if decoder is not None:
             for event in decoder.flush():
-                keep = self._note(event.data, now)
-                if inject and keep:
-                    await send({"type": "http.response.body", "body": strip_usage_null(event.raw), "more_body": True})
+                if not rewrite:
+                    self._note(event.data, now)
+                elif out := self._rewritten(event, now):
+                    await send({"type": "http.response.body", "body": out, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    def _note(self, data: bytes | None, now: int) -> bool:
-        """Record what an event means; False for the injected usage-only chunk (to drop)."""
+    def _note(self, data: bytes | None, now: int) -> Chunk | None:
+        """Record what an event means for timing; returns the parsed chunk (None: no JSON data)."""
         if data is None or data == DONE:
-            return True
+            return None
         chunk = parse_chunk(data)
         t = self.t
         if chunk.text:
@@ -227,11 +234,39 @@ class Exchange:
             t.response_model = chunk.model
         if chunk.usage is not None:
             self.usage = chunk.usage
-            if chunk.usage_only:
-                return False
+        if chunk.extra is not None:
+            t.engine = from_llamacpp(chunk.extra.get("timings"))
         if not chunk.valid:
             t.malformed_chunks += 1
-        return True
+        return chunk
+
+    def _rewritten(self, event: Event, now: int) -> bytes:
+        """Rewrite mode: the bytes to forward for one event (b"" drops it)."""
+        chunk = self._note(event.data, now)
+        if chunk is None:
+            return event.raw
+        if self.injected:
+            if chunk.usage_only:
+                return b""  # the usage chunk the client did not ask for
+            raw = strip_usage_null(event.raw)
+        else:
+            raw = event.raw
+        if self.strip and chunk.extra is not None and event.data is not None:
+            raw = raw.replace(event.data, without_engine_fields(event.data), 1)
+        return raw
+
+    async def _buffered(self, response: httpcore.Response, out_headers: list[tuple[bytes, bytes]]) -> None:
+        """Non-streaming with --strip-engine-fields: the body is rewritten whole, then sent."""
+        t = self.t
+        parts = [part async for part in response.aiter_stream()]  # type: ignore[attr-defined]
+        t.upstream_end_ns = now_ns()
+        self.json_body = parts
+        body = without_engine_fields(b"".join(parts))
+        out_headers.append((b"content-length", str(len(body)).encode()))
+        await self.send({"type": "http.response.start", "status": response.status, "headers": out_headers})
+        await self.send({"type": "http.response.body", "body": body, "more_body": False})
+        self.started = True
+        t.response_end_ns = now_ns()
 
     async def _fail(self, error: ProxyError) -> None:
         t = self.t
@@ -245,19 +280,30 @@ class Exchange:
         t.response_end_ns = now_ns()
 
 
-def read_json_usage(parts: list[bytes] | None, encoding: bytes = b"identity") -> tuple[dict[str, Any] | None, str, str]:
-    """(usage, response model, generated text) from a non-streaming JSON response."""
+def _header(headers: list[tuple[bytes, bytes]], name: bytes, default: Any) -> Any:
+    return next((v for k, v in headers if k.lower() == name), default)
+
+
+class BodyInfo(NamedTuple):
+    usage: dict[str, Any] | None = None
+    model: str = ""
+    text: str = ""
+    timings: Any = None
+
+
+def read_json_body(parts: list[bytes] | None, encoding: bytes = b"identity") -> BodyInfo:
+    """What a non-streaming JSON response says: usage, model, generated text, engine timings."""
     if not parts:
-        return None, "", ""
+        return BodyInfo()
     try:
         raw = b"".join(parts)
         if encoding != b"identity":
             raw = zlib.decompress(raw, 16 + zlib.MAX_WBITS if encoding == b"gzip" else zlib.MAX_WBITS)
         obj = orjson.loads(raw)
     except (orjson.JSONDecodeError, zlib.error):
-        return None, "", ""
+        return BodyInfo()
     if not isinstance(obj, dict):
-        return None, "", ""
+        return BodyInfo()
     texts = []
     for choice in obj.get("choices") or []:
         if isinstance(choice, dict):
@@ -266,7 +312,5 @@ def read_json_usage(parts: list[bytes] | None, encoding: bytes = b"identity") ->
             text = text if isinstance(text, str) else choice.get("text")
             if isinstance(text, str):
                 texts.append(text)
-    usage = obj.get("usage")
-    model = obj.get("model")
-    return (usage if isinstance(usage, dict) else None), (model if isinstance(model, str) else ""), "".join(texts)
-
+    usage, model = obj.get("usage"), obj.get("model")
+    return BodyInfo(usage if isinstance(usage, dict) else None, model if isinstance(model, str) else "", "".join(texts), obj.get("timings"))

@@ -55,6 +55,7 @@ def record_dict(t: RequestTiming, b: Breakdown) -> dict[str, Any]:
         "content_chunks": len(t.content_ns),
         "malformed_chunks": t.malformed_chunks,
         "inter_token_p50_s": _median(b.inter_token_s),
+        "engine": t.engine.as_dict() if t.engine is not None else None,
     }
 
 
@@ -114,7 +115,7 @@ class Telemetry:
         spans: RequestSpans | None,
         wall_offset: int,
         usage: dict[str, Any] | None = None,
-        json_result: tuple[dict[str, Any] | None, str, str] | None = None,
+        body: Any = None,
     ) -> None:
         if t.finalized:
             return
@@ -122,12 +123,14 @@ class Telemetry:
         with self._guard("metrics"):
             self.in_flight.dec()
         text = ""
-        if json_result is not None:
-            body_usage, model, text = json_result
-            usage = usage or body_usage
-            t.response_model = t.response_model or model
+        if body is not None:  # a non-streaming JSON response (relay.BodyInfo)
+            usage, text = usage or body.usage, body.text
+            t.response_model = t.response_model or body.model
         t.prompt_tokens, t.completion_tokens = read_usage(usage)
         t.token_source = "usage" if usage else "tokenizer"
+        engine = t.engine
+        if not usage and engine is not None and engine.prompt_tokens is not None and engine.predicted_tokens is not None:
+            t.prompt_tokens, t.completion_tokens, t.token_source = engine.prompt_tokens, engine.predicted_tokens, "engine"
         await self._count_tokens(t, text)
         try:
             b = split(t)

@@ -17,17 +17,21 @@ exactly once, when the request ends, whatever the ending. Definitions (the READM
   decode   = upstream stream ended - first content chunk (decode plus the closing chunks)
   Non-streaming responses have no first chunk: their server time is the phase `server`.
   network and tokenize are capped so that prefill is never negative and the sum stays exact.
+  When the engine reports its own timings (llama.cpp), `prefill` becomes the engine's prompt
+  processing time and the rest of it `queue`; `server` splits into queue, prefill and decode.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 
+from .engine import EngineTimings, refine
+
 now_ns = time.monotonic_ns
 
 NS = 1_000_000_000
 OUTCOMES = ("ok", "upstream_error", "client_disconnect", "timeout", "proxy_error")
-PHASES = ("proxy", "network", "tokenize", "prefill", "decode", "server")
+PHASES = ("proxy", "network", "tokenize", "queue", "prefill", "decode", "server")
 
 
 def _s(start_ns: int | None, end_ns: int | None) -> float | None:
@@ -75,6 +79,7 @@ class RequestTiming:
     error: str = ""
     response_model: str = ""
     malformed_chunks: int = 0
+    engine: EngineTimings | None = None  # the upstream engine's own timings, when it reports them
     finalized: bool = False
 
     @property
@@ -150,6 +155,7 @@ def split(t: RequestTiming) -> Breakdown:
         network = min(network, budget)
         tokenize = min(tokenize, budget - network)
         phases.update(network=network, tokenize=tokenize, server=budget - network - tokenize)
+    phases = refine(phases, t.engine)
     prefill_s = phases.get("prefill")
     prefill_tps = t.prompt_tokens / prefill_s if t.prompt_tokens and prefill_s else None
     return Breakdown(

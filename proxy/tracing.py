@@ -131,6 +131,9 @@ class Tracing:
         if t.content_ns:
             first = t.content_ns[0]
             prefill_ns = int(b.phases.get("prefill", 0.0) * 1e9)
+            if "queue" in b.phases:  # the engine reported its prefill: the rest waited
+                queue_ns = int(b.phases["queue"] * 1e9)
+                tracer.start_span("queue", context=server_ctx, start_time=wall(first - prefill_ns - queue_ns)).end(end_time=wall(first - prefill_ns))
             tracer.start_span("prefill", context=server_ctx, start_time=wall(first - prefill_ns)).end(end_time=wall(first))
             decode = tracer.start_span("decode", context=server_ctx, start_time=wall(first))
             if b.decode_tokens_per_second is not None:
@@ -184,4 +187,8 @@ class Tracing:
             attrs["llmproxy.upstream.rtt_seconds"] = t.rtt_s
         for phase, seconds in b.phases.items():
             attrs[f"llmproxy.phase.{phase}_seconds"] = seconds
+        if t.engine is not None:
+            for key, value in t.engine.as_dict().items():
+                if value is not None:
+                    attrs[f"llmproxy.engine.{key}"] = value
         return attrs

@@ -132,6 +132,9 @@ class Upstream:
         self.origin = f"{scheme}://{host}:{port}"
         self.host_header = host if port in (80, 443) else f"{host}:{port}"
         self.label = settings.upstream_label
+        # Learned: the upstream puts per-request token counts in its streams itself (llama.cpp's
+        # `timings`), so asking it for include_usage is unnecessary (and would move its fields).
+        self.reports_counts = False
         self.timeouts = {
             "connect": settings.connect_timeout,
             "read": settings.read_timeout,

@@ -1,0 +1,166 @@
+"""The real llama.cpp server upstream (prebuilt in the xllamacpp wheel) with a generated model."""
+from __future__ import annotations
+
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import openai
+import pytest
+
+from conftest import ROOT, ProxyServer
+from engines.tap import Tap, http_body
+from engines.tiny_llama import write as write_model
+from proxy.demo import free_port, wait_healthy
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.engine]
+
+# Python source lines: the tokenizer was trained on the standard library, so token counts are stable.
+LINE = "    def handle(self, request, *args, **kwargs):\n        return self.process(request)\n"
+
+
+class LlamaServer:
+    def __init__(self, model: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process = subprocess.Popen([sys.executable, str(ROOT / "tests/engines/llama_server.py"), str(model), str(self.port)],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_healthy(f"{self.url}/health", self.process, timeout=120)
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(f"{self.url}/metrics").text
+        return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(llamacpp:\w+) (\S+)$", text, re.M)}
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
+    model = write_model(tmp_path_factory.mktemp("model") / "tiny-llama.gguf")
+    server = LlamaServer(model)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def via(engine: LlamaServer) -> Iterator[ProxyServer]:
+    server = ProxyServer(f"{engine.url}/v1")
+    yield server
+    server.stop()
+
+
+def ask(server: ProxyServer, lines: int, tokens: int = 16, stream: bool = True, **extra: Any) -> list[Any] | Any:
+    c = openai.OpenAI(base_url=server.v1, api_key="sk-test", max_retries=0)
+    # A fresh first line each time: llama.cpp's prompt cache must not skip prefill.
+    prompt = f"# request {time.monotonic_ns()}\n" + LINE * lines
+    result = c.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": prompt}],
+                                       max_tokens=tokens, stream=stream, temperature=0, **extra)
+    return list(result) if stream else result
+
+
+def test_openai_client_stream_and_non_stream(via):
+    chunks = ask(via, 2)
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) >= 8
+    reply = ask(via, 2, stream=False)
+    assert reply.usage.completion_tokens == 16 and reply.choices[0].message.content
+    record = via.last_record()
+    assert record["engine"]["source"] == "llama.cpp" and record["engine"]["predicted_tokens"] == 16
+    assert record["completion_tokens"] == 16 and "queue" in record["phases_s"] and "server" not in record["phases_s"]
+
+
+def test_the_byte_stream_is_unaltered(engine):
+    tap = Tap(engine.port)
+    server = ProxyServer(f"http://127.0.0.1:{tap.port}/v1", inject_usage=False)
+    try:
+        body = {"model": "tiny-llama", "messages": [{"role": "user", "content": LINE}], "max_tokens": 12, "stream": True}
+        with httpx.stream("POST", f"{server.v1}/chat/completions", json=body, timeout=60) as r:
+            received = b"".join(r.iter_raw())
+        assert len(tap.responses) == 1
+        upstream = http_body(bytes(tap.responses[0]))
+        assert received == upstream and received.count(b"data: ") >= 13 and b'"timings"' in received
+    finally:
+        server.stop()
+        tap.close()
+
+
+def test_usage_injection_is_skipped_once_the_engine_reports_counts(engine, via):
+    ask(via, 1)  # first stream: usage injected, the engine's timings seen
+    assert via.app.upstream.reports_counts is True
+    chunks = ask(via, 1)
+    assert chunks[-1].usage is None  # nothing injected: the client's stream as llama.cpp sent it
+    record = via.last_record()
+    assert record["token_source"] == "engine" and record["completion_tokens"] == 16
+
+
+def test_strip_engine_fields(engine):
+    server = ProxyServer(f"{engine.url}/v1", strip_engine_fields=True)
+    try:
+        body = {"model": "tiny-llama", "messages": [{"role": "user", "content": LINE}], "max_tokens": 4}
+        plain = httpx.post(f"{server.v1}/chat/completions", json=body, timeout=60)
+        assert plain.status_code == 200 and "timings" not in plain.json() and plain.json()["usage"]["completion_tokens"] == 4
+        with httpx.stream("POST", f"{server.v1}/chat/completions", json={**body, "stream": True}, timeout=60) as r:
+            streamed = b"".join(r.iter_raw())
+        assert b'"timings"' not in streamed and streamed.endswith(b"data: [DONE]\n\n")
+        assert all(rec["engine"]["prompt_s"] > 0 for rec in server.wait_records(2))
+    finally:
+        server.stop()
+
+
+def measure(server: ProxyServer, lines: int, n: int, tokens: int = 24) -> list[dict[str, Any]]:
+    before = len(server.records())
+    for _ in range(n):
+        ask(server, lines, tokens)
+    return server.wait_records(before + n)[before:]
+
+
+def test_proxy_numbers_agree_with_the_engine(engine, via):
+    ask(via, 1)  # warm: connection, first-call costs
+    rows = []
+    for lines in (1, 12):
+        records = measure(via, lines, 20)
+        ttft = statistics.median(r["ttft_s"] for r in records)
+        engine_prefill = statistics.median(r["engine"]["prompt_s"] for r in records)
+        explained = statistics.median(r["engine"]["prompt_s"] + r["phases_s"]["network"] + r["phases_s"]["tokenize"] + r["phases_s"]["proxy"] for r in records)
+        per_token = statistics.median(r["decode_s"] / (len_ - 1) for r in records for len_ in [r["content_chunks"]])
+        engine_per_token = statistics.median(r["engine"]["per_token_s"] for r in records)
+        rows.append((records[0]["prompt_tokens"], ttft, engine_prefill, explained, per_token, engine_per_token,
+                     statistics.median(r["phases_s"]["queue"] for r in records)))
+        # TTFT = the engine's prefill + what the proxy measured around it, plus a small remainder
+        # (llama.cpp's HTTP handling, its tokenizer, sampling the first token): bounded, not zero.
+        assert engine_prefill < ttft
+        assert ttft - explained < max(0.030, 0.25 * ttft)
+        # Decode per token, proxy-measured between content chunks, within 25% of the engine's.
+        assert per_token == pytest.approx(engine_per_token, rel=0.25)
+    assert rows[1][0] > 5 * rows[0][0]
+    assert rows[1][1] > rows[0][1] and rows[1][2] > rows[0][2]  # TTFT grows with the prompt, as the engine's prefill does
+    growth_proxy, growth_engine = rows[1][1] - rows[0][1], rows[1][2] - rows[0][2]
+    assert growth_proxy == pytest.approx(growth_engine, rel=0.3, abs=0.01)
+    print("\n| prompt tokens | proxy TTFT ms | engine prompt_ms | TTFT - engine prefill ms | of which queue ms | proxy ms/token | engine ms/token |")
+    print("|---|---|---|---|---|---|---|")
+    for prompt, ttft, prefill, _, tok, etok, queue in rows:
+        print(f"| {prompt} | {ttft * 1e3:.2f} | {prefill * 1e3:.2f} | {(ttft - prefill) * 1e3:.2f} | {queue * 1e3:.2f} | {tok * 1e3:.3f} | {etok * 1e3:.3f} |")
+
+
+def test_batch_totals_agree_with_the_engine_metrics(engine, via):
+    ask(via, 1)
+    before = engine.metrics()
+    records = measure(via, 4, 10, tokens=12)
+    after = engine.metrics()
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    assert delta["llamacpp:prompt_tokens_total"] == sum(r["prompt_tokens"] for r in records)
+    assert delta["llamacpp:tokens_predicted_total"] == sum(r["completion_tokens"] for r in records) == 120
+    assert delta["llamacpp:prompt_seconds_total"] == pytest.approx(sum(r["engine"]["prompt_s"] for r in records), rel=0.01)
+    assert delta["llamacpp:tokens_predicted_seconds_total"] == pytest.approx(sum(r["engine"]["decode_s"] for r in records), rel=0.01)
+    labels = {"model": "tiny-llama", "upstream": via.settings.upstream_label, "endpoint": "chat", "stream": "true"}
+    assert via.sample("llmproxy_engine_prefill_seconds_count", labels) == 11
+    spans = via.exporter.get_finished_spans()
+    assert any(s.name == "queue" for s in spans)
+    server_span = next(s for s in spans if s.name == "chat tiny-llama")
+    assert server_span.attributes["llmproxy.engine.source"] == "llama.cpp"

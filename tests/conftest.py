@@ -1,110 +1,15 @@
-"""Real parts for end-to-end tests: a simulator process, the proxy under uvicorn on a real socket."""
+"""Fixtures: one simulator process per session, proxies in this process on real sockets."""
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 from typing import Any, Iterator
 
-import httpx
 import pytest
-import uvicorn
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from prometheus_client import CollectorRegistry
 
-from proxy.app import ProxyApp
-from proxy.config import Settings
-from proxy.demo import free_port, wait_healthy
-
-ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-
-class Process:
-    """`python -m proxy ARGS` as a child process, waited on until healthy."""
-
-    def __init__(self, args: list[str], health: str, env: dict[str, str] | None = None) -> None:
-        self.log = open(os.devnull, "wb") if not os.environ.get("LLMPROXY_TEST_LOGS") else None
-        self.process = subprocess.Popen([sys.executable, "-m", "proxy", *args], cwd=ROOT, env={**os.environ, **(env or {})},
-                                        stdout=self.log, stderr=subprocess.STDOUT if self.log else None)
-        wait_healthy(health, self.process)
-
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-        if self.log:
-            self.log.close()
-
-
-class Simulator:
-    def __init__(self, *extra: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = Process(["simulate", "--port", str(self.port), "--deterministic", *extra], f"{self.url}/health")
-
-    def stats(self) -> dict[str, Any]:
-        return httpx.get(f"{self.url}/sim/stats").json()
-
-    def configure(self, **values: Any) -> None:
-        httpx.post(f"{self.url}/sim/config", json=values).raise_for_status()
-
-
-class ProxyServer:
-    """The proxy app in this process (so tests see its spans and registry), on a real socket."""
-
-    def __init__(self, upstream: str, **settings: Any) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.settings = Settings(upstream=upstream, port=self.port, **settings)
-        self.exporter = InMemorySpanExporter()
-        provider = TracerProvider()
-        provider.add_span_processor(SimpleSpanProcessor(self.exporter))
-        self.registry = CollectorRegistry()
-        self.app = ProxyApp(self.settings, registry=self.registry, tracer_provider=provider)
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, loop="asyncio", http="httptools",
-                                log_level="warning", access_log=False)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("proxy did not start")
-            time.sleep(0.02)
-
-    @property
-    def v1(self) -> str:
-        return f"{self.url}/v1"
-
-    def records(self) -> list[dict[str, Any]]:
-        return httpx.get(f"{self.url}/llmproxy/requests", params={"limit": 1000}).json()
-
-    def last_record(self, timeout: float = 5.0) -> dict[str, Any]:
-        """The newest record; waits for finalize, which runs just after the last byte."""
-        return self.wait_records(1, timeout)[-1]
-
-    def wait_records(self, count: int, timeout: float = 5.0) -> list[dict[str, Any]]:
-        deadline = time.monotonic() + timeout
-        while True:
-            records = self.records()
-            if len(records) >= count or time.monotonic() > deadline:
-                return records
-            time.sleep(0.01)
-
-    def sample(self, name: str, labels: dict[str, str]) -> float | None:
-        return self.registry.get_sample_value(name, labels)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=15)
+from servers import ProxyServer, Simulator  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import ROOT, ProxyServer
+from servers import ROOT, ProxyServer
 from engines.tap import Tap, http_body
 from engines.tiny_llama import write as write_model
 from proxy.demo import free_port, wait_healthy

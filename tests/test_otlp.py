@@ -10,7 +10,7 @@ import openai
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest, ExportTraceServiceResponse
 
-from conftest import Process
+from servers import Process
 from proxy.demo import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

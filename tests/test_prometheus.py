@@ -15,7 +15,7 @@ import httpx
 import pytest
 import yaml
 
-from conftest import Process, Simulator
+from servers import Process, Simulator
 from dashboards_util import RULES, dashboard, panel_targets, rules, substitute
 from proxy.demo import free_port
 from proxy.load import Mix, run_load

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from conftest import Process
+from servers import Process
 from proxy.demo import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

@@ -5,6 +5,7 @@ proxy's own endpoints (`/metrics`, `/healthz`, `/llmproxy/requests`) are a small
 """
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -15,8 +16,10 @@ from fastapi import FastAPI, Request, Response
 from prometheus_client import CollectorRegistry
 
 from .config import Settings
+from .errors import error_body
 from .metrics import ProxyMetrics, multiprocess_enabled
-from .relay import Exchange, filter_headers
+from .relay import Exchange
+from .request import filter_headers
 from .telemetry import Telemetry
 from .timing import RequestTiming, now_ns
 from .tokens import Tokenizer
@@ -49,11 +52,16 @@ class ProxyApp:
         self.telemetry = Telemetry(settings, self.metrics, Tracing(tracer_provider, settings), tokenizer, self.executor)
         self.upstream = Upstream(settings)
         self._auth = f"Bearer {settings.upstream_api_key}".encode() if settings.upstream_api_key else None
-        self.admin = self._admin_app()
+        self.client_keys = settings.client_keys()
+        self.admin = self._admin_app()  # the proxy's own endpoints, on this port or --admin-port
 
     def upstream_headers(self, headers: list[tuple[bytes, bytes]], length: int) -> list[tuple[bytes, bytes]]:
-        """Client headers minus hop-by-hop ones, with the upstream's Host and, if set, its key."""
-        out = [(k, v) for k, v in filter_headers(headers) if not (self._auth and k == b"authorization")]
+        """Client headers minus hop-by-hop ones, with the upstream's Host and, if set, its key.
+
+        With proxy authentication on, the client's Authorization is the proxy's key: never sent on.
+        """
+        drop_auth = self._auth is not None or bool(self.client_keys)
+        out = [(k, v) for k, v in filter_headers(headers) if not (drop_auth and k == b"authorization")]
         if self.telemetry.tracing.enabled:
             out = [(k, v) for k, v in out if k not in (b"traceparent", b"tracestate")]
         out.append((b"host", self.upstream.host_header.encode()))
@@ -66,6 +74,8 @@ class ProxyApp:
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
             await Exchange(self, scope, receive, send, RequestTiming(received_ns=now_ns())).run()
             return
+        if self.settings.admin_port and scope["type"] == "http" and scope["path"] != "/healthz":
+            scope = {**scope, "path": "/not-here"}  # the proxy's own endpoints live on the admin port
         await self.admin(scope, receive, send)
 
     @asynccontextmanager
@@ -88,7 +98,16 @@ class ProxyApp:
 
     def _admin_app(self) -> FastAPI:
         app = FastAPI(title="llm-latency-proxy", lifespan=self.lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-        metrics, telemetry = self.metrics, self.telemetry
+        metrics, telemetry, admin_key = self.metrics, self.telemetry, self.settings.admin_key
+
+        @app.middleware("http")
+        async def protect(request: Request, call_next: Any) -> Response:
+            if admin_key and request.url.path != "/healthz":
+                given = request.headers.get("authorization", "")
+                if not hmac.compare_digest(given.encode(), f"Bearer {admin_key}".encode()):
+                    return Response(error_body("missing or incorrect admin key", "invalid_request_error", "invalid_api_key"),
+                                    status_code=401, media_type="application/json")
+            return await call_next(request)
 
         @app.get("/healthz")
         async def healthz() -> dict[str, str]:

@@ -7,7 +7,8 @@ A content chunk carries generated text: `choices[].delta.content`, `delta.reason
 """
 from __future__ import annotations
 
-from typing import Any
+import zlib
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -108,3 +109,35 @@ def without_engine_fields(data: bytes) -> bytes:
     for key in ENGINE_FIELDS:
         obj.pop(key, None)
     return orjson.dumps(obj)
+
+
+class BodyInfo(NamedTuple):
+    usage: dict[str, Any] | None = None
+    model: str = ""
+    text: str = ""
+    timings: Any = None
+
+
+def read_json_body(parts: list[bytes] | None, encoding: bytes = b"identity") -> BodyInfo:
+    """What a non-streaming JSON response says: usage, model, generated text, engine timings."""
+    if not parts:
+        return BodyInfo()
+    try:
+        raw = b"".join(parts)
+        if encoding != b"identity":
+            raw = zlib.decompress(raw, 16 + zlib.MAX_WBITS if encoding == b"gzip" else zlib.MAX_WBITS)
+        obj = orjson.loads(raw)
+    except (orjson.JSONDecodeError, zlib.error):
+        return BodyInfo()
+    if not isinstance(obj, dict):
+        return BodyInfo()
+    texts = []
+    for choice in obj.get("choices") or []:
+        if isinstance(choice, dict):
+            message = choice.get("message") or {}
+            text = message.get("content") if isinstance(message, dict) else None
+            text = text if isinstance(text, str) else choice.get("text")
+            if isinstance(text, str):
+                texts.append(text)
+    usage, model = obj.get("usage"), obj.get("model")
+    return BodyInfo(usage if isinstance(usage, dict) else None, model if isinstance(model, str) else "", "".join(texts), obj.get("timings"))

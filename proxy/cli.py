@@ -7,40 +7,18 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import shutil
 import sys
-import tempfile
 from typing import Sequence
 
 from .config import add_arguments, build_settings
 
 
-def _uvicorn_options(log_level: str) -> dict[str, object]:
-    return {"loop": "uvloop", "http": "httptools", "log_level": log_level, "access_log": False,
-            "timeout_graceful_shutdown": 30}
-
-
 def serve(args: argparse.Namespace) -> int:
     settings = build_settings(args)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    import uvicorn
+    from .server import run
 
-    if settings.workers > 1:
-        # Multiprocess metrics: a fresh, empty directory before any prometheus_client import.
-        directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or tempfile.mkdtemp(prefix="llmproxy-prom-")
-        shutil.rmtree(directory, ignore_errors=True)
-        os.makedirs(directory)
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
-        from .app import SETTINGS_ENV
-
-        os.environ[SETTINGS_ENV] = settings.to_json()
-        uvicorn.run("proxy.app:app_from_env", factory=True, host=settings.host, port=settings.port,
-                    workers=settings.workers, **_uvicorn_options(settings.log_level))
-        return 0
-    from .app import create_app
-
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, **_uvicorn_options(settings.log_level))
+    run(settings)
     return 0
 
 
@@ -53,7 +31,8 @@ def simulate(args: argparse.Namespace) -> int:
                        chunk_tokens=args.chunk_tokens, default_max_tokens=args.max_tokens,
                        role_chunk=not args.no_role_chunk, usage_null_chunks=not args.no_usage_null,
                        deterministic=args.deterministic, seed=args.seed)
-    uvicorn.run(Simulator(config), host=args.host, port=args.port, **_uvicorn_options(args.log_level))
+    uvicorn.run(Simulator(config), host=args.host, port=args.port, loop="uvloop", http="httptools",
+                log_level=args.log_level, access_log=False, ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
     return 0
 
 
@@ -93,6 +72,8 @@ def parser() -> argparse.ArgumentParser:
     p_sim.add_argument("--deterministic", action="store_true", help="fixed `created` field for byte comparisons")
     p_sim.add_argument("--seed", type=int, default=0)
     p_sim.add_argument("--log-level", default="warning")
+    p_sim.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this key (and --ssl-certfile)")
+    p_sim.add_argument("--ssl-certfile", default=None)
     p_sim.set_defaults(func=simulate)
 
     p_demo = commands.add_parser("demo", help="simulator + proxy + the seed's four cases, measured")

@@ -43,10 +43,20 @@ OPTIONS: tuple[Option, ...] = (
     Option("upstream_name", str, "", "value of the `upstream` metric label (default: host:port of --upstream)"),
     Option("provider_name", str, "", "gen_ai.provider.name on spans (default: openai for *.openai.com, else openai_compatible)"),
     Option("connect_timeout", float, 10.0, "seconds to open a connection to the upstream (DNS+TCP+TLS)"),
-    Option("read_timeout", float, 600.0, "seconds the upstream may stay silent (before and between chunks)"),
+    Option("first_token_timeout", float, 600.0, "seconds from sending a request to the first body byte (a long prefill; for non-streaming requests, the whole generation)"),
+    Option("read_timeout", float, 120.0, "seconds the upstream may stay silent between body chunks, after the first"),
     Option("write_timeout", float, 60.0, "seconds to send the request to the upstream"),
     Option("pool_timeout", float, 30.0, "seconds to wait for a free upstream connection"),
     Option("max_connections", int, 1000, "upstream connection pool size"),
+    Option("max_body_bytes", int, 32 * 1024 * 1024, "largest request body accepted (larger: 413)"),
+    Option("body_timeout", float, 30.0, "seconds a client may take to send its request body (slower: 408)"),
+    Option("header_timeout", float, 10.0, "seconds a client may take to send its request headers (slowloris guard)"),
+    Option("shutdown_grace", float, 30.0, "on SIGTERM: seconds in-flight requests may take to finish; new connections are refused"),
+    Option("api_key", str, "", "comma-separated keys clients must present as Bearer tokens to the proxy (off when empty)"),
+    Option("api_keys_file", str, "", "file with one client key per line (added to --api-key)"),
+    Option("admin_port", int, 0, "serve /metrics and /llmproxy/* on this port instead of the main one (0: same port)"),
+    Option("admin_key", str, "", "Bearer key required for /metrics and /llmproxy/* (off when empty)"),
+    Option("capture_content", bool, False, "put prompt and completion text on spans (gen_ai.input/output.messages); off by default"),
     Option("ca_bundle", str, "", "CA bundle file for a TLS upstream (default: the system store)"),
     Option("inject_usage", bool, True, "ask streaming upstreams for usage and strip the extra chunk"),
     Option("strip_engine_fields", bool, False, "remove engine-only fields (llama.cpp `timings`) from what the client receives"),
@@ -87,10 +97,20 @@ class Settings:
     upstream_name: str = ""
     provider_name: str = ""
     connect_timeout: float = 10.0
-    read_timeout: float = 600.0
+    first_token_timeout: float = 600.0
+    read_timeout: float = 120.0
     write_timeout: float = 60.0
     pool_timeout: float = 30.0
     max_connections: int = 1000
+    max_body_bytes: int = 32 * 1024 * 1024
+    body_timeout: float = 30.0
+    header_timeout: float = 10.0
+    shutdown_grace: float = 30.0
+    api_key: str = field(default="", repr=False)
+    api_keys_file: str = ""
+    admin_port: int = 0
+    admin_key: str = field(default="", repr=False)
+    capture_content: bool = False
     ca_bundle: str = ""
     inject_usage: bool = True
     strip_engine_fields: bool = False
@@ -107,6 +127,8 @@ class Settings:
     upstream_api_key: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
+        if self.admin_port and self.workers > 1:
+            raise ValueError("--admin-port needs --workers 1 (protect /metrics with --admin-key instead)")
         if self.token_spans not in TOKEN_SPAN_MODES:
             raise ValueError(f"--token-spans must be one of {TOKEN_SPAN_MODES}, not {self.token_spans!r}")
         parts = urlsplit(self.upstream)
@@ -134,6 +156,14 @@ class Settings:
             return self.provider_name
         host = self.upstream_parts[1]
         return "openai" if host == "openai.com" or host.endswith(".openai.com") else "openai_compatible"
+
+    def client_keys(self) -> tuple[str, ...]:
+        """The keys clients may present (--api-key and --api-keys-file); empty: no proxy auth."""
+        keys = [k.strip() for k in self.api_key.split(",") if k.strip()]
+        if self.api_keys_file:
+            with open(self.api_keys_file, encoding="utf-8") as handle:
+                keys += [line.strip() for line in handle if line.strip() and not line.startswith("#")]
+        return tuple(keys)
 
     def to_json(self) -> str:
         """For worker processes, which rebuild the same settings (credentials excluded)."""

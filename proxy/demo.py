@@ -30,13 +30,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
+def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout: float = 60.0, verify: str | bool = True) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"{process.args} exited with {process.returncode}")
         try:
-            if httpx.get(url, timeout=1.0).status_code == 200:
+            if httpx.get(url, timeout=1.0, verify=verify).status_code == 200:
                 return
         except httpx.HTTPError:
             pass

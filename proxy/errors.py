@@ -54,6 +54,22 @@ class UpstreamTimeout(ProxyError):
     outcome = "timeout"
 
 
+class BodyTooLarge(ProxyError):
+    status, type, code, outcome = 413, "invalid_request_error", "request_too_large", "proxy_error"
+
+
+class BodyTimeout(ProxyError):
+    status, type, code, outcome = 408, "invalid_request_error", "request_timeout", "proxy_error"
+
+
+class Unauthorized(ProxyError):
+    status, type, code, outcome = 401, "invalid_request_error", "invalid_api_key", "proxy_error"
+
+
+class BadPath(ProxyError):
+    status, type, code, outcome = 400, "invalid_request_error", "invalid_path", "proxy_error"
+
+
 def error_body(message: str, type_: str, code: str) -> bytes:
     return orjson.dumps({"error": {"message": message, "type": type_, "code": code, "param": None}})
 

@@ -9,61 +9,27 @@ client did not ask for.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
-import zlib
-from typing import Any, NamedTuple
+from typing import Any
 
 import httpcore
-import orjson
 
-from .chunk import DONE, Chunk, parse_chunk, strip_usage_null, without_engine_fields
+from .chunk import DONE, Chunk, parse_chunk, read_json_body, strip_usage_null, without_engine_fields
 from .engine import from_llamacpp
-from .errors import ProxyError, map_transport_error
+from .errors import BadPath, BodyTimeout, BodyTooLarge, ProxyError, Unauthorized, UpstreamTimeout, map_transport_error
+from .request import filter_headers, parse_request, usage_injected_body
 from .sse import Event, SSEDecoder
 from .timing import RequestTiming, now_ns
 
 log = logging.getLogger("llmproxy.relay")
 
-ENDPOINTS = {"/chat/completions": "chat", "/completions": "completions", "/embeddings": "embeddings"}
-HOP_BY_HOP = frozenset(
-    b"connection keep-alive proxy-authenticate proxy-authorization te trailer trailers transfer-encoding upgrade host content-length".split()
-)
 NON_STREAM_BODY_LIMIT = 16 * 1024 * 1024  # bytes kept for reading usage from a JSON body
 
 
 class ClientGone(Exception):
     """Raised into the relay when the client disconnected."""
-
-
-def filter_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    named = {v.strip().lower() for k, v in headers if k.lower() == b"connection" for v in v.split(b",")}
-    return [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP and k.lower() not in named]
-
-
-def parse_request(path: str, body: bytes) -> tuple[str, dict[str, Any] | None]:
-    """(endpoint, parsed JSON body or None). A body we cannot parse is still forwarded as is."""
-    endpoint = ENDPOINTS.get(path, "other")
-    if endpoint == "other" or not body:
-        return endpoint, None
-    try:
-        parsed = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return endpoint, None
-    return endpoint, parsed if isinstance(parsed, dict) else None
-
-
-def usage_injected_body(parsed: dict[str, Any]) -> bytes | None:
-    """The body with stream_options.include_usage set, or None when it is set or cannot be."""
-    options = parsed.get("stream_options")
-    if options is None:
-        options = {}
-    elif not isinstance(options, dict) or options.get("include_usage") is True:
-        return None
-    try:
-        return orjson.dumps({**parsed, "stream_options": {**options, "include_usage": True}})
-    except TypeError:  # e.g. an integer orjson cannot represent: leave the request alone
-        return None
 
 
 class Exchange:
@@ -83,14 +49,40 @@ class Exchange:
         self.rewrite = False  # forward per SSE event instead of per read
 
     async def _read_body(self) -> bytes:
-        parts = []
-        while True:
-            message = await self.receive()
-            if message["type"] == "http.disconnect":
-                raise ClientGone()
-            parts.append(message.get("body", b""))
-            if not message.get("more_body"):
-                return b"".join(parts)
+        """The whole request body, bounded in size (413) and in time (408)."""
+        settings = self.app.settings
+        limit = settings.max_body_bytes
+        declared = _header(self.scope["headers"], b"content-length", b"0")
+        if declared.isdigit() and int(declared) > limit:
+            raise BodyTooLarge(f"request body is {int(declared)} bytes; the limit is {limit}")
+        parts, size = [], 0
+        try:
+            async with asyncio.timeout(settings.body_timeout):
+                while True:
+                    message = await self.receive()
+                    if message["type"] == "http.disconnect":
+                        raise ClientGone()
+                    part = message.get("body", b"")
+                    size += len(part)
+                    if size > limit:
+                        raise BodyTooLarge(f"request body exceeds the limit of {limit} bytes")
+                    parts.append(part)
+                    if not message.get("more_body"):
+                        return b"".join(parts)
+        except TimeoutError:
+            raise BodyTimeout(f"the request body took longer than {settings.body_timeout} s to arrive") from None
+
+    def _check_request(self) -> None:
+        """Proxy authentication and path sanity, before the body is read."""
+        keys = self.app.client_keys
+        if keys:
+            auth = _header(self.scope["headers"], b"authorization", b"")
+            token = auth[7:].strip().decode("latin-1") if auth[:7].lower() == b"bearer " else ""
+            if not any(hmac.compare_digest(token, key) for key in keys):
+                raise Unauthorized("missing or incorrect API key for the proxy")
+        segments = self.scope["path"].split("/")
+        if ".." in segments or "." in segments:
+            raise BadPath("paths with dot segments are not relayed")
 
     async def _watch(self, task: asyncio.Task[Any]) -> None:
         while True:
@@ -105,9 +97,14 @@ class Exchange:
         t, app = self.t, self.app
         wall_offset = time.time_ns() - t.received_ns
         try:
+            self._check_request()
             body = await self._read_body()
         except ClientGone:
             t.outcome, t.status_code = "client_disconnect", 499
+            await app.telemetry.finish(t, None, wall_offset)
+            return
+        except ProxyError as error:  # refused before anything went upstream
+            await self._fail(error)
             await app.telemetry.finish(t, None, wall_offset)
             return
         t.endpoint, parsed = parse_request(self.scope["path"][3:], body)
@@ -153,7 +150,11 @@ class Exchange:
         t, app = self.t, self.app
         url = app.upstream.url(self.scope["path"][3:], self.scope.get("query_string", b""))
         try:
-            self.response = await app.upstream.send(self.scope["method"], url, headers, body, t)
+            async with asyncio.timeout(app.settings.first_token_timeout):
+                self.response = await app.upstream.send(self.scope["method"], url, headers, body, t)
+        except TimeoutError:
+            await self._fail(UpstreamTimeout(f"no response from the upstream within {app.settings.first_token_timeout} s ({app.upstream.label})"))
+            return
         except Exception as exc:
             await self._fail(map_transport_error(exc, app.upstream.label))
             return
@@ -182,8 +183,8 @@ class Exchange:
         self.started = True
         try:
             await self._stream(response, SSEDecoder() if is_sse else None)
-        except (httpcore.TimeoutException, httpcore.NetworkError, httpcore.ProtocolError) as exc:
-            error = map_transport_error(exc, app.upstream.label)
+        except (httpcore.TimeoutException, httpcore.NetworkError, httpcore.ProtocolError, TimeoutError) as exc:
+            error = UpstreamTimeout("the upstream went silent mid-stream") if isinstance(exc, TimeoutError) else map_transport_error(exc, app.upstream.label)
             t.upstream_end_ns = now_ns()
             t.outcome, t.error = error.outcome, f"mid_stream:{error.code}"
             log.warning("upstream stream ended early: %s", error)
@@ -193,25 +194,29 @@ class Exchange:
 
     async def _stream(self, response: httpcore.Response, decoder: SSEDecoder | None) -> None:
         """The hot loop: timestamp, forward, then note what the bytes meant."""
-        t, send, rewrite = self.t, self.send, self.rewrite
-        json_body = self.json_body
-        kept = 0
-        async for chunk in response.aiter_stream():  # type: ignore[attr-defined]
-            now = now_ns()
-            if t.first_byte_ns is None:
-                t.first_byte_ns = now
-            if rewrite:
-                out = b"".join([self._rewritten(event, now) for event in decoder.feed(chunk)])  # type: ignore[union-attr]
-                if out:
-                    await send({"type": "http.response.body", "body": out, "more_body": True})
-                continue
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            if decoder is not None:
-                for event in decoder.feed(chunk):
-                    self._note(event.data, now)
-            elif json_body is not None and kept < NON_STREAM_BODY_LIMIT:
-                json_body.append(chunk)
-                kept += len(chunk)
+        t, send, rewrite, json_body = self.t, self.send, self.rewrite, self.json_body
+        settings, loop = self.app.settings, asyncio.get_running_loop()
+        idle, kept = settings.read_timeout, 0
+        waited = (now_ns() - (t.issued_ns or t.received_ns)) / 1e9
+        async with asyncio.timeout(loop.time() + settings.first_token_timeout - waited) as silence:
+            async for chunk in response.aiter_stream():  # type: ignore[attr-defined]
+                now = now_ns()
+                if t.content_ns:  # after the first token the (shorter) inter-chunk limit applies
+                    silence.reschedule(loop.time() + idle)
+                if t.first_byte_ns is None:
+                    t.first_byte_ns = now
+                if rewrite:
+                    out = b"".join([self._rewritten(event, now) for event in decoder.feed(chunk)])  # type: ignore[union-attr]
+                    if out:
+                        await send({"type": "http.response.body", "body": out, "more_body": True})
+                    continue
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                if decoder is not None:
+                    for event in decoder.feed(chunk):
+                        self._note(event.data, now)
+                elif json_body is not None and kept < NON_STREAM_BODY_LIMIT:
+                    json_body.append(chunk)
+                    kept += len(chunk)
         t.upstream_end_ns = now = now_ns()
         if decoder is not None:
             for event in decoder.flush():
@@ -282,35 +287,3 @@ class Exchange:
 
 def _header(headers: list[tuple[bytes, bytes]], name: bytes, default: Any) -> Any:
     return next((v for k, v in headers if k.lower() == name), default)
-
-
-class BodyInfo(NamedTuple):
-    usage: dict[str, Any] | None = None
-    model: str = ""
-    text: str = ""
-    timings: Any = None
-
-
-def read_json_body(parts: list[bytes] | None, encoding: bytes = b"identity") -> BodyInfo:
-    """What a non-streaming JSON response says: usage, model, generated text, engine timings."""
-    if not parts:
-        return BodyInfo()
-    try:
-        raw = b"".join(parts)
-        if encoding != b"identity":
-            raw = zlib.decompress(raw, 16 + zlib.MAX_WBITS if encoding == b"gzip" else zlib.MAX_WBITS)
-        obj = orjson.loads(raw)
-    except (orjson.JSONDecodeError, zlib.error):
-        return BodyInfo()
-    if not isinstance(obj, dict):
-        return BodyInfo()
-    texts = []
-    for choice in obj.get("choices") or []:
-        if isinstance(choice, dict):
-            message = choice.get("message") or {}
-            text = message.get("content") if isinstance(message, dict) else None
-            text = text if isinstance(text, str) else choice.get("text")
-            if isinstance(text, str):
-                texts.append(text)
-    usage, model = obj.get("usage"), obj.get("model")
-    return BodyInfo(usage if isinstance(usage, dict) else None, model if isinstance(model, str) else "", "".join(texts), obj.get("timings"))

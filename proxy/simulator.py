@@ -43,11 +43,12 @@ class SimStats:
         self.requests = 0
         self.completed = 0
         self.disconnects = 0
+        self.tokens_sent = 0
         self.last_headers: dict[str, str] = {}
         self.last_body: dict[str, Any] = {}
 
     def as_dict(self) -> dict[str, Any]:
-        return {"requests": self.requests, "completed": self.completed, "disconnects": self.disconnects,
+        return {"requests": self.requests, "completed": self.completed, "disconnects": self.disconnects, "tokens_sent": self.tokens_sent,
                 "last_headers": self.last_headers, "last_body": self.last_body}
 
 
@@ -214,13 +215,21 @@ class Simulator:
         if cfg.role_chunk and kind == "chat":
             await send({"type": "http.response.body", "body": event([choice(None, None, role=True)]), "more_body": True})
         drop_after = int(headers.get("x-sim-drop-after", "-1"))
+        stall_after = int(headers.get("x-sim-stall-after", "-1"))
+        malformed = headers.get("x-sim-malformed") == "1"
+        padding = " " * int(headers.get("x-sim-token-bytes", "0"))
         per_chunk = max(1, int(headers.get("x-sim-chunk-tokens", cfg.chunk_tokens)))
         for start in range(0, len(text), per_chunk):
             if 0 <= drop_after <= start:
                 return  # leave the response incomplete: uvicorn closes the connection mid-stream
+            if 0 <= stall_after <= start:
+                await asyncio.Event().wait()  # silent forever (until the client leaves)
             end = min(len(text), start + per_chunk)
             await asyncio.sleep(max(0.0, received + times[end - 1] - time.monotonic()))
-            await send({"type": "http.response.body", "body": event([choice("".join(text[start:end]), None)]), "more_body": True})
+            await send({"type": "http.response.body", "body": event([choice("".join(text[start:end]) + padding, None)]), "more_body": True})
+            self.stats.tokens_sent += end - start
+            if malformed and start == 0:
+                await send({"type": "http.response.body", "body": b'data: {"choices": [{"delta": {"content": "unterminated\n\n', "more_body": True})
         tail = event([choice(None, "length")])
         if include_usage:
             tail += event([], usage, with_usage=True)

@@ -104,6 +104,9 @@ class Telemetry:
             with self._guard("tracing"):
                 carrier = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers if k in (b"traceparent", b"tracestate")}
                 spans = self.tracing.start(carrier, t, t.received_ns + wall_offset)
+        if body is not None and self.settings.capture_content:
+            with self._guard("tracing"):
+                t.captured_input = orjson.dumps(body.get("messages") or body.get("prompt") or body.get("input")).decode()
         if body is not None and self.tokenizer is not None and t.endpoint != "other":
             with self._guard("tokenizer"):
                 self._pending[id(t)] = self.executor.submit(self.tokenizer.timed_prompt_count, t.endpoint, body)
@@ -138,6 +141,8 @@ class Telemetry:
             self.count_error("timing")
             log.exception("could not compute the phase split")
             return
+        if self.settings.capture_content:
+            t.captured_output = "".join(t.chunk_text) or text
         trace_id = spans.trace_id if spans is not None else None
         with self._guard("metrics"):
             self.metrics.observe(t, b, self.upstream, trace_id)
@@ -152,6 +157,7 @@ class Telemetry:
             if self.settings.log_requests:
                 request_log.info(orjson.dumps(record).decode())
         t.chunk_text.clear()  # generated text never outlives the request
+        t.captured_input = t.captured_output = ""
 
     async def _count_tokens(self, t: RequestTiming, text: str) -> None:
         """Prompt tokens (always timed: the tokenize phase), then completion tokens if needed."""

@@ -80,6 +80,8 @@ class RequestTiming:
     response_model: str = ""
     malformed_chunks: int = 0
     engine: EngineTimings | None = None  # the upstream engine's own timings, when it reports them
+    captured_input: str = ""  # prompt text, only with --capture-content (spans only)
+    captured_output: str = ""  # completion text, only with --capture-content (spans only)
     finalized: bool = False
 
     @property

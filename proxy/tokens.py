@@ -32,6 +32,7 @@ BPE_FILES = {
 TOKENS_PER_MESSAGE = 3
 TOKENS_PER_NAME = 1
 REPLY_PRIMING = 3
+MODEL_CACHE_LIMIT = 1024
 
 
 def default_cache_dir() -> Path:
@@ -82,7 +83,8 @@ class Tokenizer:
                 name = self.default_encoding
             if name not in BPE_FILES:
                 name = self.default_encoding
-            self._by_model[model] = name
+            if len(self._by_model) < MODEL_CACHE_LIMIT:  # model names come from clients: bounded
+                self._by_model[model] = name
         return name
 
     def encoding(self, model: str) -> tiktoken.Encoding:

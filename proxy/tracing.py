@@ -59,7 +59,7 @@ def build_tracer_provider(settings: Settings, on_error: Callable[[str], None]) -
     else:
         exporter = OTLPSpanExporter()  # reads the standard OTEL_EXPORTER_OTLP_* variables
     name = settings.service_name or os.environ.get("OTEL_SERVICE_NAME") or "llm-latency-proxy"
-    provider = TracerProvider(resource=Resource.create({"service.name": name}))
+    provider = TracerProvider(resource=Resource.create({"service.name": name, "process.pid": os.getpid()}))
     provider.add_span_processor(BatchSpanProcessor(CountingExporter(exporter, on_error)))
     return provider
 
@@ -187,6 +187,10 @@ class Tracing:
             attrs["llmproxy.upstream.rtt_seconds"] = t.rtt_s
         for phase, seconds in b.phases.items():
             attrs[f"llmproxy.phase.{phase}_seconds"] = seconds
+        if t.captured_input:  # only with --capture-content
+            attrs["gen_ai.input.messages"] = t.captured_input
+        if t.captured_output:
+            attrs["gen_ai.output.messages"] = t.captured_output
         if t.engine is not None:
             for key, value in t.engine.as_dict().items():
                 if value is not None:

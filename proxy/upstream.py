@@ -137,7 +137,9 @@ class Upstream:
         self.reports_counts = False
         self.timeouts = {
             "connect": settings.connect_timeout,
-            "read": settings.read_timeout,
+            # Response headers may wait for a whole prefill (or, non-streaming, the generation);
+            # the relay enforces the tighter between-chunk limit itself.
+            "read": max(settings.first_token_timeout, settings.read_timeout),
             "write": settings.write_timeout,
             "pool": settings.pool_timeout,
         }

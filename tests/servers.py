@@ -26,11 +26,11 @@ ROOT = Path(__file__).resolve().parent.parent
 class Process:
     """`python -m proxy ARGS` as a child process, waited on until healthy."""
 
-    def __init__(self, args: list[str], health: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, args: list[str], health: str, env: dict[str, str] | None = None, verify: str | bool = True) -> None:
         self.log = open(os.devnull, "wb") if not os.environ.get("LLMPROXY_TEST_LOGS") else None
         self.process = subprocess.Popen([sys.executable, "-m", "proxy", *args], cwd=ROOT, env={**os.environ, **(env or {})},
                                         stdout=self.log, stderr=subprocess.STDOUT if self.log else None)
-        wait_healthy(health, self.process)
+        wait_healthy(health, self.process, verify=verify)
 
     def stop(self) -> None:
         self.process.terminate()

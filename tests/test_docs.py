@@ -1,11 +1,19 @@
 """The README documents every flag, metric and phase as the code defines them."""
+import sys
 from pathlib import Path
 
 from proxy.config import OPTIONS
 from proxy.metrics import METRICS
 from proxy.timing import OUTCOMES, PHASES
 
-README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+sys.path.insert(0, str(ROOT / "scripts"))
+import readme_tables  # noqa: E402
+
+
+def test_readme_tables_are_the_generated_ones():
+    assert readme_tables.render(README) == README, "run: .venv/bin/python scripts/readme_tables.py"
 
 
 def test_every_flag_and_env_var_is_documented():

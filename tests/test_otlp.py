@@ -21,6 +21,7 @@ class Receiver:
 
     def __init__(self) -> None:
         self.requests: list[ExportTraceServiceRequest] = []
+        self.raw: list[bytes] = []  # exactly what was received, for leak checks
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -28,6 +29,7 @@ class Receiver:
                 body = self.rfile.read(int(self.headers["content-length"]))
                 if self.headers.get("content-encoding") == "gzip":
                     body = gzip.decompress(body)
+                receiver.raw.append(body)
                 message = ExportTraceServiceRequest()
                 message.ParseFromString(body)
                 receiver.requests.append(message)
@@ -49,7 +51,7 @@ class Receiver:
         out = []
         for request in self.requests:
             for resource_spans in request.resource_spans:
-                resource = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
+                resource = {a.key: getattr(a.value, a.value.WhichOneof("value")) for a in resource_spans.resource.attributes}
                 for scope_spans in resource_spans.scope_spans:
                     out.extend((span.name, span, resource) for span in scope_spans.spans)
         return out

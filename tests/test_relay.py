@@ -143,8 +143,8 @@ def test_dns_failure_is_502_naming_dns(proxy_factory):
     assert response.status_code == 502 and response.json()["error"]["code"] == "upstream_dns_error"
 
 
-def test_read_timeout_is_504(proxy_factory):
-    server = proxy_factory(read_timeout=0.3)
+def test_first_token_timeout_is_504(proxy_factory):
+    server = proxy_factory(first_token_timeout=0.3)
     response = httpx.post(f"{server.v1}/chat/completions", json=chat_body(stream=False), headers={"x-sim-ttft-ms": "1500"})
     assert response.status_code == 504 and response.json()["error"]["code"] == "upstream_timeout"
     assert server.last_record()["outcome"] == "timeout"

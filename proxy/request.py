@@ -1,0 +1,45 @@
+"""What the proxy reads from a client's request, and the one change it may make to it.
+
+A body it cannot parse is forwarded unchanged: only measurement degrades. The one rewrite is
+`stream_options.include_usage`, asked for when a streaming client did not (exact token counts).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+ENDPOINTS = {"/chat/completions": "chat", "/completions": "completions", "/embeddings": "embeddings"}
+HOP_BY_HOP = frozenset(
+    b"connection keep-alive proxy-authenticate proxy-authorization te trailer trailers transfer-encoding upgrade host content-length".split()
+)
+
+
+def filter_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    named = {v.strip().lower() for k, v in headers if k.lower() == b"connection" for v in v.split(b",")}
+    return [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP and k.lower() not in named]
+
+
+def parse_request(path: str, body: bytes) -> tuple[str, dict[str, Any] | None]:
+    """(endpoint, parsed JSON body or None). A body we cannot parse is still forwarded as is."""
+    endpoint = ENDPOINTS.get(path, "other")
+    if endpoint == "other" or not body:
+        return endpoint, None
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return endpoint, None
+    return endpoint, parsed if isinstance(parsed, dict) else None
+
+
+def usage_injected_body(parsed: dict[str, Any]) -> bytes | None:
+    """The body with stream_options.include_usage set, or None when it is set or cannot be."""
+    options = parsed.get("stream_options")
+    if options is None:
+        options = {}
+    elif not isinstance(options, dict) or options.get("include_usage") is True:
+        return None
+    try:
+        return orjson.dumps({**parsed, "stream_options": {**options, "include_usage": True}})
+    except TypeError:  # e.g. an integer orjson cannot represent: leave the request alone
+        return None

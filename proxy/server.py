@@ -1,0 +1,106 @@
+"""Running the proxy under uvicorn: workers, the admin port, graceful shutdown, slowloris guard.
+
+uvicorn bounds idle keep-alive connections but not the time a client takes to send its request
+headers, so a client trickling one header byte a second holds a connection forever (slowloris).
+`GuardedHttpTools` closes a connection whose headers are not complete `--header-timeout` seconds
+after it opened or after its request began. On SIGTERM uvicorn stops accepting connections at
+once and lets in-flight requests finish for `--shutdown-grace` seconds.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import tempfile
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from .config import Settings
+
+HEADER_TIMEOUT_ENV = "LLMPROXY_HEADER_TIMEOUT"
+log = logging.getLogger("llmproxy.server")
+
+
+class GuardedHttpTools(HttpToolsProtocol):
+    """httptools protocol with a deadline for receiving request headers."""
+
+    header_timeout = 10.0  # replaced from the environment in each process (workers too)
+
+    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._arm()
+
+    def _arm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+        self._header_timer = self.loop.call_later(self.header_timeout, self._headers_too_slow)
+
+    def _headers_too_slow(self) -> None:
+        self._header_timer = None
+        if not self.transport.is_closing():
+            log.warning("closing a connection whose request headers took over %.1f s", self.header_timeout)
+            self.transport.close()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._arm()
+
+    def on_headers_complete(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+        super().on_headers_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+        super().connection_lost(exc)
+
+
+GuardedHttpTools.header_timeout = float(os.environ.get(HEADER_TIMEOUT_ENV, GuardedHttpTools.header_timeout))
+
+
+def uvicorn_options(settings: Settings) -> dict[str, Any]:
+    return {"loop": "uvloop", "http": GuardedHttpTools, "log_level": settings.log_level, "access_log": False,
+            "timeout_graceful_shutdown": settings.shutdown_grace, "proxy_headers": False, "server_header": False}
+
+
+def run(settings: Settings) -> None:
+    import uvicorn
+
+    os.environ[HEADER_TIMEOUT_ENV] = str(settings.header_timeout)
+    GuardedHttpTools.header_timeout = settings.header_timeout
+    if settings.workers > 1:
+        # Multiprocess metrics: a fresh, empty directory before any prometheus_client import.
+        directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or tempfile.mkdtemp(prefix="llmproxy-prom-")
+        shutil.rmtree(directory, ignore_errors=True)
+        os.makedirs(directory)
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
+        from .app import SETTINGS_ENV
+
+        os.environ[SETTINGS_ENV] = settings.to_json()
+        uvicorn.run("proxy.app:app_from_env", factory=True, host=settings.host, port=settings.port,
+                    workers=settings.workers, **uvicorn_options(settings))
+        return
+    from .app import create_app
+
+    app = create_app(settings)
+    main = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, **uvicorn_options(settings)))
+    if not settings.admin_port:
+        main.run()
+        return
+    admin = uvicorn.Server(uvicorn.Config(app.admin, host=settings.host, port=settings.admin_port, lifespan="off",
+                                          **uvicorn_options(settings)))
+
+    async def both() -> None:
+        admin_task = asyncio.create_task(admin.serve())
+        await main.serve()
+        admin.should_exit = True
+        await admin_task
+
+    import uvloop
+
+    uvloop.run(both())

@@ -1,0 +1,37 @@
+"""Writes the README's flag and metric tables from their one definition in the code.
+
+    .venv/bin/python scripts/readme_tables.py          # rewrite the tables in README.md
+    (tests/test_docs.py fails when the README differs from what this would write)
+"""
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from proxy.config import OPTIONS  # noqa: E402
+from proxy.metrics import METRICS  # noqa: E402
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def flags_table() -> str:
+    rows = [f"| `{o.flag}` | `{o.env}` | `{o.default!r}` | {o.help} |" for o in OPTIONS]
+    return "\n".join(["| flag | environment | default | meaning |", "|---|---|---|---|", *rows])
+
+
+def metrics_table() -> str:
+    rows = [f"| `{d.exposed}` | {d.kind} | {', '.join(d.labels)} | {d.doc} |" for d in METRICS]
+    return "\n".join(["| metric | type | labels | definition |", "|---|---|---|---|", *rows])
+
+
+def render(text: str) -> str:
+    for name, table in (("flags", flags_table()), ("metrics", metrics_table())):
+        text = re.sub(rf"(<!-- {name}:start -->\n).*?(\n<!-- {name}:end -->)", lambda m: m.group(1) + table + m.group(2), text, flags=re.S)
+    return text
+
+
+if __name__ == "__main__":
+    README.write_text(render(README.read_text()))
+    print(f"wrote the tables in {README}")

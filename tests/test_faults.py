@@ -1,0 +1,238 @@
+"""The fault matrix: each fault injected for real (sockets, processes), each with a clear error or a
+faithful passthrough, the right outcome in the record, no hang and nothing left open."""
+from __future__ import annotations
+
+import datetime
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from proxy.demo import free_port
+from servers import Process
+
+pytestmark = pytest.mark.e2e
+
+
+def chat(n: int = 5, stream: bool = True, **extra) -> dict:
+    return {"model": "sim-7b", "messages": [{"role": "user", "content": "hello"}], "max_tokens": n, "stream": stream, **extra}
+
+
+def self_signed(directory: Path) -> tuple[Path, Path]:
+    """A certificate for localhost/127.0.0.1 and its key, made here (no CA involved)."""
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = directory / "cert.pem", directory / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    return cert_path, key_path
+
+
+@pytest.fixture(scope="module")
+def tls_sim(tmp_path_factory):
+    cert, key = self_signed(tmp_path_factory.mktemp("tls"))
+    port = free_port()
+    proc = Process(["simulate", "--port", str(port), "--ssl-certfile", str(cert), "--ssl-keyfile", str(key)], f"https://127.0.0.1:{port}/health", verify=str(cert))
+    yield port, cert
+    proc.stop()
+
+
+def test_tls_untrusted_is_502_and_a_ca_bundle_fixes_it(proxy_factory, tls_sim):
+    port, cert = tls_sim
+    untrusted = proxy_factory(upstream=f"https://localhost:{port}/v1")
+    response = httpx.post(f"{untrusted.v1}/chat/completions", json=chat())
+    assert response.status_code == 502 and response.json()["error"]["code"] == "upstream_tls_error"
+    assert untrusted.last_record()["outcome"] == "upstream_error"
+    trusted = proxy_factory(upstream=f"https://localhost:{port}/v1", ca_bundle=str(cert))
+    chunks = list(openai.OpenAI(base_url=trusted.v1, api_key="k", max_retries=0).chat.completions.create(
+        model="sim-7b", messages=[{"role": "user", "content": "x"}], max_tokens=3, stream=True))
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) == 3
+    record = trusted.last_record()
+    assert {"dns", "tcp", "tls"} <= set(record["connect_s"]) and record["connect_s"]["tls"] > 0
+
+
+def test_connect_timeout_is_504(proxy_factory):
+    blackhole = socket.socket()
+    blackhole.bind(("127.0.0.1", 0))
+    blackhole.listen(0)  # never accepts: once its one-slot queue is full, SYNs go unanswered
+    filler = socket.create_connection(blackhole.getsockname())
+    try:
+        server = proxy_factory(upstream=f"http://127.0.0.1:{blackhole.getsockname()[1]}/v1", connect_timeout=0.5)
+        start = time.monotonic()
+        response = httpx.post(f"{server.v1}/chat/completions", json=chat(), timeout=10)
+        assert response.status_code == 504 and response.json()["error"]["code"] == "upstream_timeout"
+        assert "connecting" in response.json()["error"]["message"]
+        assert 0.4 < time.monotonic() - start < 3
+        assert server.last_record()["outcome"] == "timeout"
+    finally:
+        filler.close()
+        blackhole.close()
+
+
+def test_a_long_prefill_is_not_killed_by_the_inter_token_timeout(proxy_factory):
+    server = proxy_factory(read_timeout=0.3, first_token_timeout=5)
+    response = httpx.post(f"{server.v1}/chat/completions", json=chat(3), headers={"x-sim-ttft-ms": "1200"}, timeout=10)
+    assert response.status_code == 200 and response.text.count('"content":" ') == 3
+    record = server.last_record()
+    assert record["outcome"] == "ok" and record["ttft_s"] > 1.1
+
+
+def test_an_upstream_that_stalls_mid_stream_is_cut_by_the_inter_token_timeout(proxy_factory, sim):
+    server = proxy_factory(read_timeout=0.4)
+    before = sim.stats()["disconnects"]
+    start = time.monotonic()
+    with pytest.raises(httpx.RemoteProtocolError):
+        with httpx.stream("POST", f"{server.v1}/chat/completions", json=chat(20), headers={"x-sim-stall-after": "3"}, timeout=10) as r:
+            for _ in r.iter_raw():
+                pass
+    assert time.monotonic() - start < 3
+    record = server.last_record()
+    assert record["outcome"] == "timeout" and record["error"] == "mid_stream:upstream_timeout" and record["content_chunks"] == 3
+    deadline = time.monotonic() + 2
+    while sim.stats()["disconnects"] == before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert sim.stats()["disconnects"] == before + 1  # the stalled upstream request was closed too
+
+
+def test_malformed_sse_is_relayed_unchanged_and_counted(sim, proxy):
+    body = chat(4, stream_options={"include_usage": True})
+    headers = {"x-sim-malformed": "1"}
+    direct = httpx.post(f"{sim.url}/v1/chat/completions", json=body, headers=headers).content
+    via = httpx.post(f"{proxy.v1}/chat/completions", json=body, headers=headers).content
+    assert via == direct and b"unterminated" in via
+    record = proxy.last_record()
+    assert record["malformed_chunks"] == 1 and record["outcome"] == "ok"
+
+
+def test_a_slow_reader_gets_backpressure_not_unbounded_buffering(sim, proxy):
+    """The client stops reading: the proxy must stop reading upstream too, so the simulator blocks."""
+    before = sim.stats()["tokens_sent"]
+    total = 4000  # 4000 tokens x ~10 KB: 40 MB, far more than the socket buffers in between
+    payload = httpx.Request("POST", f"{proxy.v1}/chat/completions", json=chat(total),
+                            headers={"x-sim-token-bytes": "10000", "x-sim-decode-tps": "100000", "x-sim-ttft-ms": "0"})
+    with socket.create_connection(("127.0.0.1", proxy.port)) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+        head = "".join(f"{k}: {v}\r\n" for k, v in payload.headers.items())
+        sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\n{head}\r\n".encode() + payload.read())
+        time.sleep(1.5)  # read nothing
+        stalled = sim.stats()["tokens_sent"] - before
+        assert stalled < total // 2, f"the simulator sent {stalled} tokens while the client read nothing"
+        received = 0
+        sock.settimeout(10)
+        while chunk := sock.recv(1 << 20):
+            received += len(chunk)
+            if chunk.endswith(b"0\r\n\r\n"):
+                break
+    assert sim.stats()["tokens_sent"] - before == total
+    assert received > total * 10000
+    assert proxy.last_record()["outcome"] == "ok"
+
+
+@pytest.mark.parametrize("body", [
+    b'{"model": 5, "messages": "not a list", "stream": "yes"}',
+    b'{"model": "m", "messages": [{"role": "user", "content": {"nested": true}}], "max_tokens": "ten"}',
+    b"\xff\xfe\x00 not utf-8 at all \x80",
+    b"[1, 2, 3]",
+    b'{"model": "m", "stream": true, "stream_options": "weird", "messages": []}',
+])
+def test_bad_input_is_forwarded_unchanged(sim, proxy, body):
+    headers = {"content-type": "application/json"}
+    direct = httpx.post(f"{sim.url}/v1/chat/completions", content=body, headers=headers, timeout=10)
+    via = httpx.post(f"{proxy.v1}/chat/completions", content=body, headers=headers, timeout=10)
+    assert via.status_code == direct.status_code and via.content == direct.content
+
+
+def test_a_huge_body_is_413(proxy_factory):
+    server = proxy_factory(max_body_bytes=10_000)
+    response = httpx.post(f"{server.v1}/chat/completions", content=b"x" * 20_000, headers={"content-type": "application/json"})
+    assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+
+    def chunked():  # no content-length: the limit still holds while reading
+        for _ in range(10):
+            yield b"y" * 2_000
+
+    response = httpx.post(f"{server.v1}/chat/completions", content=chunked(), headers={"content-type": "application/json"})
+    assert response.status_code == 413
+
+
+def test_slowloris_headers_and_bodies_are_cut(proxy_factory):
+    from proxy.server import GuardedHttpTools
+
+    server = proxy_factory()
+    # The in-process test server uses uvicorn's stock protocol: run the guarded one on its own port.
+    import threading
+
+    import uvicorn
+
+    port = free_port()
+    GuardedHttpTools.header_timeout = 0.5
+    config = uvicorn.Config(server.app, host="127.0.0.1", port=port, http=GuardedHttpTools, loop="asyncio", log_level="error", lifespan="off")
+    guarded = uvicorn.Server(config)
+    threading.Thread(target=guarded.run, daemon=True).start()
+    while not guarded.started:
+        time.sleep(0.02)
+    try:
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n")  # ... and never finish the headers
+            sock.settimeout(5)
+            start = time.monotonic()
+            assert sock.recv(1024) == b""  # closed by the proxy
+            assert time.monotonic() - start < 2
+    finally:
+        guarded.should_exit = True
+        GuardedHttpTools.header_timeout = 10.0
+    slow_body = proxy_factory(body_timeout=0.5)
+    with socket.create_connection(("127.0.0.1", slow_body.port)) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{")
+        sock.settimeout(5)
+        reply = sock.recv(4096)
+    assert reply.startswith(b"HTTP/1.1 408") and b"request_timeout" in reply
+
+
+def test_header_injection_attempts_do_not_reach_the_upstream(sim, proxy):
+    with socket.create_connection(("127.0.0.1", proxy.port)) as sock:
+        body = b'{"model":"m","messages":[]}'
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-test: a\rx-injected: yes\r\n"
+                     b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        sock.settimeout(5)
+        reply = sock.recv(4096)
+    assert reply.startswith(b"HTTP/1.1 400")  # the HTTP parser refuses a bare CR in a header
+    evil_model = "m\r\nx-injected: yes"
+    response = httpx.post(f"{proxy.v1}/chat/completions", json={"model": evil_model, "messages": [], "max_tokens": 1})
+    assert response.status_code == 200 and "x-injected" not in sim.stats()["last_headers"]
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = list(text_string_to_metric_families(httpx.get(f"{proxy.url}/metrics").text))  # still parses
+    assert any(s.labels.get("model") == evil_model for f in families for s in f.samples)
+
+
+def test_no_open_proxy(sim, proxy):
+    """The upstream is fixed by configuration: no URL, Host header or path makes the proxy call elsewhere."""
+    before = sim.stats()["requests"]
+    with socket.create_connection(("127.0.0.1", proxy.port)) as sock:
+        sock.sendall(b"GET http://169.254.169.254/v1/models HTTP/1.1\r\nhost: 169.254.169.254\r\n\r\n")
+        sock.settimeout(5)
+        reply = sock.recv(4096)
+    assert reply.startswith(b"HTTP/1.1 200") and b"sim-7b" in reply  # answered by the configured upstream
+    response = httpx.get(f"{proxy.v1}/../../etc/passwd")
+    assert response.status_code in (400, 404)
+    raw = httpx.get(f"{proxy.url}/v1/models/%2e%2e/%2e%2e/admin")
+    assert raw.status_code == 400 and raw.json()["error"]["code"] == "invalid_path"
+    assert sim.stats()["requests"] == before  # /v1/models is not counted by the simulator; nothing else went out

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install prometheus demo test test-fast test-vllm bench dashboards clean
+.PHONY: install prometheus demo test test-fast test-vllm bench soak lock audit dashboards clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,18 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/overhead.py
+
+soak: $(STAMP)
+	$(PY) bench/soak.py --duration 1800 --concurrency 200 --json bench/soak-30min.json
+
+lock: $(STAMP)
+	$(PY) -m pip install --quiet --dry-run --ignore-installed --report /tmp/llmproxy-lock.json .
+	$(PY) scripts/lock.py /tmp/llmproxy-lock.json requirements.lock
+
+# Fails (--strict) when a dependency could not be checked, not only when one is vulnerable.
+audit: $(STAMP)
+	$(PY) -m pip install --quiet pip-audit
+	$(PY) -m pip_audit --requirement requirements.lock --no-deps --disable-pip --strict
 
 clean:
 	rm -rf $(VENV) .pytest_cache

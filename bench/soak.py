@@ -51,7 +51,12 @@ def proc_stats(pid: int) -> dict[str, float]:
     status = Path(f"/proc/{pid}/status").read_text()
     rss_kb = int(re.search(r"VmRSS:\s+(\d+)", status).group(1))
     fds = os.listdir(f"/proc/{pid}/fd")
-    sockets = sum(1 for fd in fds if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:"))
+    sockets = 0
+    for fd in fds:
+        try:
+            sockets += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+        except FileNotFoundError:  # closed since the listing
+            pass
     return {"rss_mb": rss_kb / 1024, "fds": len(fds), "sockets": sockets}
 
 

@@ -112,7 +112,7 @@ class Exchange:
             t.model = str(parsed.get("model") or "unknown")
             t.stream = parsed.get("stream") is True
             if t.stream and app.settings.inject_usage and not app.upstream.reports_counts and t.endpoint in ("chat", "completions"):
-                new_body = usage_injected_body(parsed)
+                new_body = usage_injected_body(parsed, body)
                 if new_body is not None:
                     body, self.injected = new_body, True
         headers = app.upstream_headers(self.scope["headers"], len(body))

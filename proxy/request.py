@@ -5,6 +5,7 @@ A body it cannot parse is forwarded unchanged: only measurement degrades. The on
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
@@ -32,14 +33,27 @@ def parse_request(path: str, body: bytes) -> tuple[str, dict[str, Any] | None]:
     return endpoint, parsed if isinstance(parsed, dict) else None
 
 
-def usage_injected_body(parsed: dict[str, Any]) -> bytes | None:
-    """The body with stream_options.include_usage set, or None when it is set or cannot be."""
+USAGE_OPTION = b'"stream_options":{"include_usage":true}'
+_LONG_NUMBER = re.compile(rb"\d{16,}")  # digits a double cannot hold: re-serialising would change them
+
+
+def usage_injected_body(parsed: dict[str, Any], raw: bytes) -> bytes | None:
+    """The body with stream_options.include_usage set, or None when it is set or cannot be.
+
+    Without stream_options (the usual case) the option is spliced in after the opening brace and
+    every other byte stays as the client wrote it. An existing stream_options object means
+    re-serialising, done only when no number would lose digits in the round trip.
+    """
     options = parsed.get("stream_options")
     if options is None:
-        options = {}
-    elif not isinstance(options, dict) or options.get("include_usage") is True:
+        body = raw.lstrip()
+        if body[:1] != b"{" or "stream_options" in parsed:
+            return None
+        rest = body[1:].lstrip()
+        return b"{" + USAGE_OPTION + (b"" if rest[:1] == b"}" else b",") + body[1:]
+    if not isinstance(options, dict) or options.get("include_usage") is True or _LONG_NUMBER.search(raw):
         return None
     try:
         return orjson.dumps({**parsed, "stream_options": {**options, "include_usage": True}})
-    except TypeError:  # e.g. an integer orjson cannot represent: leave the request alone
+    except TypeError:
         return None

@@ -31,6 +31,10 @@ def free_port() -> int:
 
 
 def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout: float = 60.0, verify: str | bool = True) -> None:
+    if isinstance(verify, str):  # a CA bundle file (a test's self-signed upstream)
+        import ssl
+
+        verify = ssl.create_default_context(cafile=verify)  # type: ignore[assignment]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:

@@ -1,0 +1,300 @@
+"""Side by side, in one run: directly to the upstream, through this proxy (each telemetry mode),
+and through LiteLLM's proxy, on the same fixed simulator schedule, all on loopback.
+
+    make bench        # = .venv/bin/python bench/compare.py --out bench/results.json --plot bench/compare.png
+
+Scenarios: (A) sequential single stream, direct and system requests interleaved in pairs;
+(B) concurrency sweep of 1, 16, 64, 256 streams; (C) non-streaming requests per second. Figures:
+added TTFT, inter-token-latency distortion (system gap - direct gap), proxy CPU per 1,000 chunks
+(from /proc), peak RSS, and the saturation point (added TTFT p50 above 5 ms).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, Iterator
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rawclient import Connection  # noqa: E402
+
+from proxy.demo import free_port, wait_healthy  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+LITELLM_PYTHON = os.environ.get("LITELLM_PYTHON", str(ROOT / ".venv-litellm" / "bin" / "python"))
+KEY = "sk-bench-master"
+SEQ_SCHEDULE = {"x-sim-ttft-ms": "20", "x-sim-decode-tps": "500"}  # 2 ms inter-token gaps
+SWEEP_SCHEDULE = {"x-sim-ttft-ms": "20", "x-sim-decode-tps": "100"}
+SEQ_TOKENS, SWEEP_TOKENS = 20, 100
+
+
+def body(tokens: int, stream: bool = True) -> dict[str, Any]:
+    return {"model": "sim-7b", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": tokens, "stream": stream}
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+class Sink:
+    """Accepts OTLP/HTTP exports and drops them: the proxy's exporter has somewhere to send."""
+
+    def __init__(self) -> None:
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802
+                self.rfile.read(int(self.headers["content-length"]))
+                self.send_response(200)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def peak_rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+@contextlib.contextmanager
+def process(args: list[str], health: str, env: dict[str, str] | None = None, headers: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
+    proc = subprocess.Popen(args, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    try:
+        import httpx
+
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{args} exited with {proc.returncode}")
+            try:
+                if httpx.get(health, headers=headers, timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(health)
+            time.sleep(0.2)
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+async def sequential(direct: tuple[int, str], system: tuple[int, str], pairs: int) -> dict[str, list[float]]:
+    a = Connection("127.0.0.1", direct[0], direct[1], {"authorization": f"Bearer {KEY}"})
+    b = Connection("127.0.0.1", system[0], system[1], {"authorization": f"Bearer {KEY}"})
+    added_ttft: list[float] = []
+    distortion: list[float] = []
+    for _ in range(5):  # warm both paths
+        await a.stream(body(SEQ_TOKENS), SEQ_SCHEDULE)
+        await b.stream(body(SEQ_TOKENS), SEQ_SCHEDULE)
+    for i in range(pairs):
+        runs = {}
+        for name, conn in ((("a", a), ("b", b)) if i % 2 == 0 else (("b", b), ("a", a))):
+            runs[name] = await conn.stream(body(SEQ_TOKENS), SEQ_SCHEDULE)
+        (sa, xa, _), (sb, xb, _) = runs["a"], runs["b"]
+        if len(xa) == len(xb) == SEQ_TOKENS:
+            added_ttft.append((xb[0] - sb) - (xa[0] - sa))
+            gaps_a = [y - x for x, y in zip(xa, xa[1:])]
+            gaps_b = [y - x for x, y in zip(xb, xb[1:])]
+            distortion.extend(gb - ga for ga, gb in zip(gaps_a, gaps_b))
+    a.close()
+    b.close()
+    return {"added_ttft": added_ttft, "itl_distortion": distortion}
+
+
+async def concurrent(target: tuple[int, str], streams: int, seconds: float) -> dict[str, Any]:
+    ttfts: list[float] = []
+    gaps: list[float] = []
+    chunks = 0
+    deadline = time.perf_counter() + seconds
+
+    async def worker() -> None:
+        nonlocal chunks
+        conn = Connection("127.0.0.1", target[0], target[1], {"authorization": f"Bearer {KEY}"})
+        while time.perf_counter() < deadline:
+            start, arrivals, status = await conn.stream(body(SWEEP_TOKENS), SWEEP_SCHEDULE)
+            if status == 200 and arrivals:
+                ttfts.append(arrivals[0] - start)
+                gaps.extend(y - x for x, y in zip(arrivals, arrivals[1:]))
+                chunks += len(arrivals)
+        conn.close()
+
+    began = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(streams)))
+    elapsed = time.perf_counter() - began
+    return {"ttft": ttfts, "gaps": gaps, "chunks": chunks, "seconds": elapsed}
+
+
+async def non_streaming(target: tuple[int, str], seconds: float, concurrency: int = 16) -> dict[str, Any]:
+    latencies: list[float] = []
+    deadline = time.perf_counter() + seconds
+
+    async def worker() -> None:
+        conn = Connection("127.0.0.1", target[0], target[1], {"authorization": f"Bearer {KEY}"})
+        while time.perf_counter() < deadline:
+            start, end, status = await conn.complete({**body(1, stream=False), "max_tokens": 1})
+            if status == 200:
+                latencies.append(end - start)
+        conn.close()
+
+    began = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return {"rps": len(latencies) / (time.perf_counter() - began), "latency": latencies}
+
+
+def summarise(name: str, seq: dict[str, list[float]], sweep: dict[int, dict[str, Any]], direct_sweep: dict[int, dict[str, Any]],
+              rps: dict[str, Any], direct_rps: dict[str, Any], cpu_per_k: float | None, rss: float | None) -> dict[str, Any]:
+    row: dict[str, Any] = {"system": name}
+    ms = lambda v: round(v * 1000, 3)  # noqa: E731
+    row["seq_added_ttft_p50_ms"] = ms(pct(seq["added_ttft"], 0.5))
+    row["seq_added_ttft_p99_ms"] = ms(pct(seq["added_ttft"], 0.99))
+    row["seq_itl_distortion_p50_ms"] = ms(pct(seq["itl_distortion"], 0.5))
+    row["seq_itl_distortion_p99_ms"] = ms(pct(seq["itl_distortion"], 0.99))
+    saturation = None
+    for streams, result in sweep.items():
+        base = direct_sweep[streams]
+        added = pct(result["ttft"], 0.5) - pct(base["ttft"], 0.5)
+        row[f"c{streams}_added_ttft_p50_ms"] = ms(added)
+        row[f"c{streams}_added_ttft_p99_ms"] = ms(pct(result["ttft"], 0.99) - pct(base["ttft"], 0.99))
+        row[f"c{streams}_itl_p50_ms"] = ms(pct(result["gaps"], 0.5))
+        row[f"c{streams}_itl_p99_ms"] = ms(pct(result["gaps"], 0.99))
+        row[f"c{streams}_chunks_per_s"] = round(result["chunks"] / result["seconds"])
+        if saturation is None and added > 0.005:
+            saturation = streams
+    row["saturation_streams"] = saturation or f">{max(sweep)}"
+    row["rps_non_streaming"] = round(rps["rps"], 1)
+    row["rps_direct"] = round(direct_rps["rps"], 1)
+    row["non_streaming_added_p50_ms"] = ms(pct(rps["latency"], 0.5) - pct(direct_rps["latency"], 0.5))
+    row["cpu_us_per_chunk"] = round(cpu_per_k * 1000, 2) if cpu_per_k is not None else None
+    row["peak_rss_mb"] = round(rss, 1) if rss is not None else None
+    return row
+
+
+def run_system(target: tuple[int, str], pid: int | None, direct: tuple[int, str], args: argparse.Namespace,
+               direct_sweep: dict[int, dict[str, Any]], direct_rps: dict[str, Any], name: str) -> dict[str, Any]:
+    print(f"[{name}] sequential pairs", flush=True)
+    seq = asyncio.run(sequential(direct, target, args.pairs))
+    sweep = {}
+    cpu_per_k = None
+    for streams in args.sweep:
+        print(f"[{name}] {streams} streams", flush=True)
+        before = cpu_seconds(pid) if pid else 0.0
+        sweep[streams] = asyncio.run(concurrent(target, streams, args.seconds))
+        if pid and streams == 16:
+            cpu_per_k = (cpu_seconds(pid) - before) / max(1, sweep[streams]["chunks"]) * 1000
+    print(f"[{name}] non-streaming", flush=True)
+    rps = asyncio.run(non_streaming(target, args.seconds))
+    return summarise(name, seq, sweep, direct_sweep, rps, direct_rps, cpu_per_k, peak_rss_mb(pid) if pid else None)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--pairs", type=int, default=100)
+    parser.add_argument("--seconds", type=float, default=6.0, help="per concurrency level and for the RPS run")
+    parser.add_argument("--sweep", type=int, nargs="+", default=[1, 16, 64, 256])
+    parser.add_argument("--systems", nargs="+", default=["metrics-only", "spans", "events", "off", "litellm"])
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--plot", type=Path)
+    args = parser.parse_args()
+    py = sys.executable
+    sim_port = free_port()
+    direct = (sim_port, "/v1")
+    rows = []
+    sink = Sink()
+    with process([py, "-m", "proxy", "simulate", "--port", str(sim_port)], f"http://127.0.0.1:{sim_port}/health"):
+        print("[direct] sweep and non-streaming", flush=True)
+        direct_sweep = {s: asyncio.run(concurrent(direct, s, args.seconds)) for s in args.sweep}
+        direct_rps = asyncio.run(non_streaming(direct, args.seconds))
+        ideal_ttft = float(SWEEP_SCHEDULE["x-sim-ttft-ms"]) / 1000
+        rows.append({"system": "direct", **{f"c{s}_ttft_p50_ms": round(pct(r["ttft"], 0.5) * 1000, 3) for s, r in direct_sweep.items()},
+                     **{f"c{s}_itl_p50_ms": round(pct(r["gaps"], 0.5) * 1000, 3) for s, r in direct_sweep.items()},
+                     **{f"c{s}_chunks_per_s": round(r["chunks"] / r["seconds"]) for s, r in direct_sweep.items()},
+                     "ideal_ttft_ms": ideal_ttft * 1000, "ideal_itl_ms": 1000 / float(SWEEP_SCHEDULE["x-sim-decode-tps"]),
+                     "rps_non_streaming": round(direct_rps["rps"], 1)})
+        for name in args.systems:
+            port = free_port()
+            if name == "litellm":
+                rows.append(run_litellm(port, sim_port, direct, args, direct_sweep, direct_rps))
+                continue
+            flags = ["--token-spans", name] if name != "metrics-only" else []
+            env = {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.url} if name != "metrics-only" else {}
+            cmd = [py, "-m", "proxy", "serve", "--upstream", f"http://127.0.0.1:{sim_port}/v1", "--port", str(port), *flags]
+            with process(cmd, f"http://127.0.0.1:{port}/healthz", env) as proc:
+                rows.append(run_system((port, "/v1"), proc.pid, direct, args, direct_sweep, direct_rps, f"llm-latency-proxy {name}"))
+    report = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}", "args": vars(args) | {"out": str(args.out), "plot": str(args.plot)},
+              "rows": rows}
+    print(json.dumps(report, indent=1))
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1))
+    if args.plot:
+        plot(rows, args.sweep, args.plot)
+    return 0
+
+
+def run_litellm(port: int, sim_port: int, direct: tuple[int, str], args: argparse.Namespace,
+                direct_sweep: dict[int, dict[str, Any]], direct_rps: dict[str, Any]) -> dict[str, Any]:
+    config = Path(tempfile.mkdtemp()) / "litellm.yaml"
+    config.write_text(
+        "model_list:\n  - model_name: sim-7b\n    litellm_params:\n      model: openai/sim-7b\n"
+        f"      api_base: http://127.0.0.1:{sim_port}/v1\n      api_key: none\n"
+        f"general_settings:\n  master_key: {KEY}\nlitellm_settings:\n  drop_params: true\n")
+    env = {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR", "DISABLE_SCHEMA_UPDATE": "true"}
+    cmd = [LITELLM_PYTHON, "-m", "litellm.proxy.proxy_cli", "--config", str(config), "--host", "127.0.0.1", "--port", str(port), "--num_workers", "1"]
+    with process(cmd, f"http://127.0.0.1:{port}/health/liveliness", env, {"authorization": f"Bearer {KEY}"}) as proc:
+        return run_system((port, "/v1"), proc.pid, direct, args, direct_sweep, direct_rps, "litellm 1.108.7")
+
+
+def plot(rows: list[dict[str, Any]], sweep: list[int], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for row in rows[1:]:
+        left.plot(sweep, [row[f"c{s}_added_ttft_p50_ms"] for s in sweep], marker="o", label=row["system"])
+        right.plot(sweep, [row[f"c{s}_itl_p99_ms"] for s in sweep], marker="o", label=row["system"])
+    right.plot(sweep, [rows[0][f"c{s}_itl_p50_ms"] for s in sweep], "k--", label="direct ITL p50")
+    for axis, title in ((left, "added TTFT p50 vs direct (ms)"), (right, "client inter-token gap p99 (ms)")):
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("concurrent streams")
+        axis.set_title(title)
+        axis.grid(True, alpha=0.3)
+    left.axhline(5, color="red", linewidth=0.8, linestyle=":")
+    left.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

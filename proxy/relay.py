@@ -116,7 +116,7 @@ class Exchange:
                 if new_body is not None:
                     body, self.injected = new_body, True
         headers = app.upstream_headers(self.scope["headers"], len(body))
-        spans = app.telemetry.start(t, self.scope["headers"], parsed, wall_offset)
+        spans = app.telemetry.start(t, self.scope["headers"], parsed, wall_offset, len(body))
         if spans is not None:
             headers.append((b"traceparent", spans.traceparent()))
         task = asyncio.current_task()
@@ -190,7 +190,6 @@ class Exchange:
             log.warning("upstream stream ended early: %s", error)
             # Leave the response incomplete: the client sees the stream break, as it would directly.
             return
-        t.response_end_ns = now_ns()
 
     async def _stream(self, response: httpcore.Response, decoder: SSEDecoder | None) -> None:
         """The hot loop: timestamp, forward, then note what the bytes meant."""
@@ -224,6 +223,9 @@ class Exchange:
                     self._note(event.data, now)
                 elif out := self._rewritten(event, now):
                     await send({"type": "http.response.body", "body": out, "more_body": True})
+        # Stamped as the last write is handed over: on a busy machine the kernel may run the woken
+        # client first, and that wait is not the proxy's own time.
+        t.response_end_ns = now_ns()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     def _note(self, data: bytes | None, now: int) -> Chunk | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -24,6 +24,7 @@ from .tokens import Tokenizer
 from .tracing import RequestSpans, Tracing
 
 log = logging.getLogger("llmproxy.telemetry")
+INLINE_TOKENIZE_BYTES = 16 * 1024  # about 4,000 tokens: well under a millisecond to count
 request_log = logging.getLogger("llmproxy.requests")
 
 
@@ -43,6 +44,7 @@ def record_dict(t: RequestTiming, b: Breakdown) -> dict[str, Any]:
         "decode_tokens_per_second": b.decode_tokens_per_second,
         "prefill_tokens_per_second": b.prefill_tokens_per_second,
         "phases_s": b.phases,
+        "proxy_before_after_s": [b.proxy_before_s, b.proxy_after_s],
         "dominant_phase": b.dominant,
         "connect_s": b.connect,
         "pool_wait_s": b.pool_wait_s,
@@ -77,7 +79,7 @@ class Telemetry:
         self.records: collections.deque[dict[str, Any]] = collections.deque(maxlen=max(1, settings.records))
         self.in_flight = metrics.in_flight(self.upstream)
         self._logged: set[str] = set()
-        self._pending: dict[int, Future[tuple[int, float]]] = {}
+        self._pending: dict[int, tuple[dict[str, Any], int]] = {}  # request body and size, to tokenize at finish
 
     def count_error(self, component: str) -> None:
         try:
@@ -95,8 +97,9 @@ class Telemetry:
                 self._logged.add(component)
                 log.exception("telemetry component %r failed (logged once, counted always)", component)
 
-    def start(self, t: RequestTiming, headers: list[tuple[bytes, bytes]], body: dict[str, Any] | None, wall_offset: int) -> RequestSpans | None:
-        """At request start: in-flight gauge, the two early spans, prompt tokenization in a thread."""
+    def start(self, t: RequestTiming, headers: list[tuple[bytes, bytes]], body: dict[str, Any] | None, wall_offset: int,
+              size: int = 0) -> RequestSpans | None:
+        """At request start: the in-flight gauge and the two early spans. Tokenization waits for finish."""
         spans = None
         with self._guard("metrics"):
             self.in_flight.inc()
@@ -108,8 +111,7 @@ class Telemetry:
             with self._guard("tracing"):
                 t.captured_input = orjson.dumps(body.get("messages") or body.get("prompt") or body.get("input")).decode()
         if body is not None and self.tokenizer is not None and t.endpoint != "other":
-            with self._guard("tokenizer"):
-                self._pending[id(t)] = self.executor.submit(self.tokenizer.timed_prompt_count, t.endpoint, body)
+            self._pending[id(t)] = (body, size)
         return spans
 
     async def finish(
@@ -159,24 +161,36 @@ class Telemetry:
         t.chunk_text.clear()  # generated text never outlives the request
         t.captured_input = t.captured_output = ""
 
+    async def _off_loop(self, size: int, fn: Any, *args: Any) -> Any:
+        """Small inputs run inline (cheaper than a thread hop); large ones in the pool, so a long
+        tokenization never stalls other streams on the event loop."""
+        if size <= INLINE_TOKENIZE_BYTES:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
     async def _count_tokens(self, t: RequestTiming, text: str) -> None:
-        """Prompt tokens (always timed: the tokenize phase), then completion tokens if needed."""
+        """Prompt tokens (always timed: the tokenize phase), then completion tokens if needed.
+
+        This runs after the response was relayed, so tokenization never delays a request; the
+        tokenize phase is the measured duration, which the server pays before its prefill.
+        """
         pending = self._pending.pop(id(t), None)
+        if self.tokenizer is None:
+            return
         if pending is not None:
+            body, size = pending
             with self._guard("tokenizer"):
-                count, seconds = await asyncio.wrap_future(pending)
+                count, seconds = await self._off_loop(size, self.tokenizer.timed_prompt_count, t.endpoint, body)
                 t.tokenize_prompt_s = seconds
                 if t.prompt_tokens is None:
                     t.prompt_tokens = count
-        if self.tokenizer is None:
-            return
         texts = t.chunk_text if t.chunk_text else ([text] if text else [])
         known = t.completion_tokens
         if not texts or (known is not None and known == len(t.content_ns)):
             return  # one token per chunk: nothing to count
         with self._guard("tokenizer"):
-            loop = asyncio.get_running_loop()
-            counts, seconds = await loop.run_in_executor(self.executor, self.tokenizer.timed_chunk_counts, t.model, texts)
+            size = sum(map(len, texts))
+            counts, seconds = await self._off_loop(size, self.tokenizer.timed_chunk_counts, t.model, texts)
             t.tokenize_completion_s = seconds
             if t.content_ns:
                 t.chunk_tokens = counts

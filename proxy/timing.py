@@ -106,6 +106,8 @@ class Breakdown:
     pool_wait_s: float | None
     inter_chunk_s: list[float]
     inter_token_s: list[float]
+    proxy_before_s: float = 0.0  # the proxy phase, split: before the upstream request was issued
+    proxy_after_s: float = 0.0  # and after the upstream stream ended
 
     @property
     def dominant(self) -> str:
@@ -171,4 +173,6 @@ def split(t: RequestTiming) -> Breakdown:
         pool_wait_s=pool_wait,
         inter_chunk_s=gaps,
         inter_token_s=itl,
+        proxy_before_s=proxy_before,
+        proxy_after_s=proxy_after,
     )

@@ -135,7 +135,7 @@ class Exchange:
             self.relaying = False
             watcher.cancel()
             if self.response is not None:
-                await self.response.aclose()  # closes the upstream socket mid-body: vLLM aborts
+                await app.upstream.release(self.response)  # mid-body: closes the socket, so vLLM aborts
             if t.response_end_ns is None:
                 t.response_end_ns = now_ns()
             t.upstream_end_ns = t.upstream_end_ns or t.response_end_ns

@@ -65,7 +65,9 @@ GuardedHttpTools.header_timeout = float(os.environ.get(HEADER_TIMEOUT_ENV, Guard
 
 def uvicorn_options(settings: Settings) -> dict[str, Any]:
     return {"loop": "uvloop", "http": GuardedHttpTools, "log_level": settings.log_level, "access_log": False,
-            "timeout_graceful_shutdown": settings.shutdown_grace, "proxy_headers": False, "server_header": False}
+            "timeout_graceful_shutdown": settings.shutdown_grace, "proxy_headers": False,
+            # The upstream's own Date and Server headers pass through; adding ours would duplicate them.
+            "server_header": False, "date_header": False}
 
 
 def run(settings: Settings) -> None:

@@ -186,8 +186,8 @@ class Telemetry:
                     t.prompt_tokens = count
         texts = t.chunk_text if t.chunk_text else ([text] if text else [])
         known = t.completion_tokens
-        if not texts or (known is not None and known == len(t.content_ns)):
-            return  # one token per chunk: nothing to count
+        if not texts or (known is not None and (known == len(t.content_ns) or not t.content_ns)):
+            return  # counts known, and one token per chunk (or no chunks to divide): nothing to count
         with self._guard("tokenizer"):
             size = sum(map(len, texts))
             counts, seconds = await self._off_loop(size, self.tokenizer.timed_chunk_counts, t.model, texts)

@@ -143,15 +143,16 @@ class Upstream:
             "write": settings.write_timeout,
             "pool": settings.pool_timeout,
         }
-        context = ssl.create_default_context(cafile=settings.ca_bundle or None)
+        self.ssl_context = ssl.create_default_context(cafile=settings.ca_bundle or None) if scheme == "https" else None
         self.backend = TimedBackend()
-        self.pool = httpcore.AsyncConnectionPool(
-            ssl_context=context,
-            max_connections=settings.max_connections,
-            max_keepalive_connections=settings.max_connections,
-            keepalive_expiry=60.0,
-            network_backend=self.backend,
-        )
+        self.origin_model = httpcore.Origin(scheme.encode(), host.encode(), port)
+        self.keepalive_expiry = 60.0
+        # Our own pool of httpcore connections to the one upstream. httpcore's pool checks every
+        # idle connection for readability (a syscall each) on every request: O(connections) per
+        # request. Here one LIFO list, and only the connection about to be used is checked.
+        self._idle: list[httpcore.AsyncHTTPConnection] = []
+        self._slots = asyncio.Semaphore(settings.max_connections)
+        self._in_use: dict[int, httpcore.AsyncHTTPConnection] = {}
 
     def url(self, path: str, query: bytes) -> bytes:
         """`path` is the client's path below /v1 (e.g. `/chat/completions`)."""
@@ -170,19 +171,58 @@ class Upstream:
             extensions={"timeout": self.timeouts, "trace": TraceHook(timing)},
         )
         token = current_timing.set(timing)
+        timing.issued_ns = now_ns()
         try:
-            timing.issued_ns = now_ns()
-            response = await self.pool.handle_async_request(request)
+            async with asyncio.timeout(self.timeouts["pool"]):
+                await self._slots.acquire()
+        except TimeoutError:
+            current_timing.reset(token)
+            raise httpcore.PoolTimeout("no free upstream connection") from None
+        connection = None
+        try:
+            connection = await self._checkout()
+            response = await connection.handle_async_request(request)
+        except BaseException:
+            self._slots.release()
+            if connection is not None:
+                await connection.aclose()
+            raise
         finally:
             current_timing.reset(token)
+        self._in_use[id(response)] = connection
         stream = response.extensions.get("network_stream")
         if stream is not None:
             timing.rtt_s = socket_rtt_s(stream.get_extra_info("socket"))
         return response
+
+    async def _checkout(self) -> httpcore.AsyncHTTPConnection:
+        while self._idle:
+            connection = self._idle.pop()
+            if connection.is_idle() and not connection.has_expired():
+                return connection
+            await connection.aclose()
+        return httpcore.AsyncHTTPConnection(self.origin_model, ssl_context=self.ssl_context, keepalive_expiry=self.keepalive_expiry,
+                                            network_backend=self.backend)
+
+    async def release(self, response: httpcore.Response) -> None:
+        """Close the response (mid-body: the connection closes, which makes vLLM abort) and give the
+        connection back to the pool when it can serve another request."""
+        connection = self._in_use.pop(id(response), None)
+        try:
+            await response.aclose()
+        finally:
+            if connection is not None:
+                if connection.is_idle():
+                    self._idle.append(connection)
+                else:
+                    await connection.aclose()
+                self._slots.release()
 
     async def warm(self) -> None:
         """Load anyio's asyncio backend now: lazily it costs ~20 ms inside the first request."""
         await anyio.sleep(0)
 
     async def aclose(self) -> None:
-        await self.pool.aclose()
+        for connection in self._idle:
+            await connection.aclose()
+        self._idle.clear()

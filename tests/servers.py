@@ -68,7 +68,7 @@ class ProxyServer:
         self.registry = CollectorRegistry()
         self.app = ProxyApp(self.settings, registry=self.registry, tracer_provider=provider)
         config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, loop="asyncio", http="httptools",
-                                log_level="warning", access_log=False)
+                                log_level="warning", access_log=False, server_header=False, date_header=False, proxy_headers=False)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

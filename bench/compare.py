@@ -35,8 +35,17 @@ from proxy.demo import free_port, wait_healthy  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 LITELLM_PYTHON = os.environ.get("LITELLM_PYTHON", str(ROOT / ".venv-litellm" / "bin" / "python"))
 KEY = "sk-bench-master"
-SEQ_SCHEDULE = {"x-sim-ttft-ms": "20", "x-sim-decode-tps": "500"}  # 2 ms inter-token gaps
-SWEEP_SCHEDULE = {"x-sim-ttft-ms": "20", "x-sim-decode-tps": "100"}
+# Schedules are set on the simulator itself (POST /sim/config), not by request headers: LiteLLM
+# does not forward a client's headers upstream, and every system must see the same schedule.
+SEQ_SCHEDULE = {"ttft_ms": 20.0, "decode_tps": 500.0}  # 2 ms inter-token gaps
+SWEEP_SCHEDULE = {"ttft_ms": 20.0, "decode_tps": 100.0}
+SIM_URL = ""
+
+
+def schedule(values: dict[str, float]) -> None:
+    import httpx
+
+    httpx.post(f"{SIM_URL}/sim/config", json=values).raise_for_status()
 SEQ_TOKENS, SWEEP_TOKENS = 20, 100
 
 
@@ -115,12 +124,12 @@ async def sequential(direct: tuple[int, str], system: tuple[int, str], pairs: in
     added_ttft: list[float] = []
     distortion: list[float] = []
     for _ in range(5):  # warm both paths
-        await a.stream(body(SEQ_TOKENS), SEQ_SCHEDULE)
-        await b.stream(body(SEQ_TOKENS), SEQ_SCHEDULE)
+        await a.stream(body(SEQ_TOKENS))
+        await b.stream(body(SEQ_TOKENS))
     for i in range(pairs):
         runs = {}
         for name, conn in ((("a", a), ("b", b)) if i % 2 == 0 else (("b", b), ("a", a))):
-            runs[name] = await conn.stream(body(SEQ_TOKENS), SEQ_SCHEDULE)
+            runs[name] = await conn.stream(body(SEQ_TOKENS))
         (sa, xa, _), (sb, xb, _) = runs["a"], runs["b"]
         if len(xa) == len(xb) == SEQ_TOKENS:
             added_ttft.append((xb[0] - sb) - (xa[0] - sa))
@@ -142,7 +151,7 @@ async def concurrent(target: tuple[int, str], streams: int, seconds: float) -> d
         nonlocal chunks
         conn = Connection("127.0.0.1", target[0], target[1], {"authorization": f"Bearer {KEY}"})
         while time.perf_counter() < deadline:
-            start, arrivals, status = await conn.stream(body(SWEEP_TOKENS), SWEEP_SCHEDULE)
+            start, arrivals, status = await conn.stream(body(SWEEP_TOKENS))
             if status == 200 and arrivals:
                 ttfts.append(arrivals[0] - start)
                 gaps.extend(y - x for x, y in zip(arrivals, arrivals[1:]))
@@ -162,7 +171,7 @@ async def non_streaming(target: tuple[int, str], seconds: float, concurrency: in
     async def worker() -> None:
         conn = Connection("127.0.0.1", target[0], target[1], {"authorization": f"Bearer {KEY}"})
         while time.perf_counter() < deadline:
-            start, end, status = await conn.complete({**body(1, stream=False), "max_tokens": 1})
+            start, end, status = await conn.complete(body(1, stream=False))
             if status == 200:
                 latencies.append(end - start)
         conn.close()
@@ -203,7 +212,9 @@ def summarise(name: str, seq: dict[str, list[float]], sweep: dict[int, dict[str,
 def run_system(target: tuple[int, str], pid: int | None, direct: tuple[int, str], args: argparse.Namespace,
                direct_sweep: dict[int, dict[str, Any]], direct_rps: dict[str, Any], name: str) -> dict[str, Any]:
     print(f"[{name}] sequential pairs", flush=True)
+    schedule(SEQ_SCHEDULE)
     seq = asyncio.run(sequential(direct, target, args.pairs))
+    schedule(SWEEP_SCHEDULE)
     sweep = {}
     cpu_per_k = None
     for streams in args.sweep:
@@ -213,7 +224,9 @@ def run_system(target: tuple[int, str], pid: int | None, direct: tuple[int, str]
         if pid and streams == 16:
             cpu_per_k = (cpu_seconds(pid) - before) / max(1, sweep[streams]["chunks"]) * 1000
     print(f"[{name}] non-streaming", flush=True)
+    schedule({"ttft_ms": 0.0})
     rps = asyncio.run(non_streaming(target, args.seconds))
+    schedule(SWEEP_SCHEDULE)
     return summarise(name, seq, sweep, direct_sweep, rps, direct_rps, cpu_per_k, peak_rss_mb(pid) if pid else None)
 
 
@@ -231,15 +244,20 @@ def main() -> int:
     direct = (sim_port, "/v1")
     rows = []
     sink = Sink()
+    global SIM_URL
+    SIM_URL = f"http://127.0.0.1:{sim_port}"
     with process([py, "-m", "proxy", "simulate", "--port", str(sim_port)], f"http://127.0.0.1:{sim_port}/health"):
         print("[direct] sweep and non-streaming", flush=True)
+        schedule(SWEEP_SCHEDULE)
         direct_sweep = {s: asyncio.run(concurrent(direct, s, args.seconds)) for s in args.sweep}
+        schedule({"ttft_ms": 0.0})
         direct_rps = asyncio.run(non_streaming(direct, args.seconds))
-        ideal_ttft = float(SWEEP_SCHEDULE["x-sim-ttft-ms"]) / 1000
+        schedule(SWEEP_SCHEDULE)
+        ideal_ttft = SWEEP_SCHEDULE["ttft_ms"] / 1000
         rows.append({"system": "direct", **{f"c{s}_ttft_p50_ms": round(pct(r["ttft"], 0.5) * 1000, 3) for s, r in direct_sweep.items()},
                      **{f"c{s}_itl_p50_ms": round(pct(r["gaps"], 0.5) * 1000, 3) for s, r in direct_sweep.items()},
                      **{f"c{s}_chunks_per_s": round(r["chunks"] / r["seconds"]) for s, r in direct_sweep.items()},
-                     "ideal_ttft_ms": ideal_ttft * 1000, "ideal_itl_ms": 1000 / float(SWEEP_SCHEDULE["x-sim-decode-tps"]),
+                     "ideal_ttft_ms": ideal_ttft * 1000, "ideal_itl_ms": 1000 / SWEEP_SCHEDULE["decode_tps"],
                      "rps_non_streaming": round(direct_rps["rps"], 1)})
         for name in args.systems:
             port = free_port()

@@ -7,6 +7,7 @@ per label set, so observing a request does no label validation.
 from __future__ import annotations
 
 import os
+from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +68,26 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("llmproxy_upstream_connections", "counter", "Upstream requests by whether they reused a pooled connection.", ("upstream", "reused")),
     MetricDef("llmproxy_telemetry_errors", "counter", "Failures inside metrics, tracing, tokenizer or records; the request itself was unaffected.", ("component",)),
 )
+
+
+def observe_many(child: Any, values: list[float], bounds: tuple[float, ...]) -> None:
+    """Observe a request's inter-token gaps (often hundreds) with one increment per bucket used.
+
+    Equivalent to calling `observe` for each value, without a lock round-trip per value; falls
+    back to that if prometheus_client's histogram child ever stops looking like 0.2x's.
+    """
+    buckets, total = getattr(child, "_buckets", None), getattr(child, "_sum", None)
+    if buckets is None or total is None or len(buckets) != len(bounds) + 1 or len(values) < 8:
+        for value in values:
+            child.observe(value)
+        return
+    counts = [0] * len(buckets)
+    for value in values:
+        counts[bisect_left(bounds, value)] += 1
+    for index, count in enumerate(counts):
+        if count:
+            buckets[index].inc(count)
+    total.inc(sum(values))
 
 
 class ModelLabels:
@@ -132,11 +153,8 @@ class ProxyMetrics:
             c["llmproxy_decode_tokens_per_second"].observe(b.decode_tokens_per_second, ex)
         if b.prefill_tokens_per_second is not None:
             c["llmproxy_prefill_tokens_per_second"].observe(b.prefill_tokens_per_second)
-        itl, icl = c["llmproxy_inter_token_latency_seconds"], c["llmproxy_inter_chunk_latency_seconds"]
-        for gap in b.inter_chunk_s:
-            icl.observe(gap)
-        for gap in b.inter_token_s:
-            itl.observe(gap)
+        observe_many(c["llmproxy_inter_chunk_latency_seconds"], b.inter_chunk_s, GAP_BUCKETS)
+        observe_many(c["llmproxy_inter_token_latency_seconds"], b.inter_token_s, GAP_BUCKETS)
         engine = t.engine
         if engine is not None:
             if engine.prompt_s is not None:

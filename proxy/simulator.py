@@ -28,6 +28,7 @@ FIXED_CREATED = 1_700_000_000
 @dataclass
 class SimConfig:
     prefill_tps: float = 5000.0
+    ttft_ms: float = -1.0  # >= 0: a fixed TTFT instead of prompt tokens / prefill_tps
     decode_tps: float = 100.0
     jitter: float = 0.0  # each inter-token gap scaled by uniform(1 - jitter, 1 + jitter)
     chunk_tokens: int = 1  # tokens per content chunk
@@ -132,7 +133,10 @@ class Simulator:
     def _schedule(self, prompt_tokens: int, n: int, headers: dict[str, str]) -> list[float]:
         """Seconds after arrival at which each of the n tokens is ready."""
         cfg = self.config
-        ttft = float(headers["x-sim-ttft-ms"]) / 1000 if "x-sim-ttft-ms" in headers else prompt_tokens / cfg.prefill_tps
+        if "x-sim-ttft-ms" in headers:
+            ttft = float(headers["x-sim-ttft-ms"]) / 1000
+        else:
+            ttft = cfg.ttft_ms / 1000 if cfg.ttft_ms >= 0 else prompt_tokens / cfg.prefill_tps
         gap = 1.0 / float(headers.get("x-sim-decode-tps", cfg.decode_tps))
         times, at = [], ttft
         for k in range(n):

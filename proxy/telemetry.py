@@ -149,6 +149,7 @@ class Telemetry:
         with self._guard("metrics"):
             self.metrics.observe(t, b, self.upstream, trace_id)
         if spans is not None:
+            await asyncio.sleep(0)  # let other streams' chunks through between the heavier steps
             with self._guard("tracing"):
                 self.tracing.finish(spans, t, b, wall_offset)
         with self._guard("records"):

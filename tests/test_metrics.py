@@ -64,3 +64,21 @@ def test_every_defined_metric_is_exposed_with_its_name():
     body, _ = metrics.render("text/plain")
     for d in METRICS:
         assert f"# TYPE {d.exposed} {d.kind}\n".encode() in body, d.name
+
+
+def test_observe_many_equals_observing_one_by_one():
+    from prometheus_client import Histogram
+
+    from proxy.metrics import GAP_BUCKETS, observe_many
+
+    values = [0.00001, 0.0001, 0.00025, 0.0009, 0.001, 0.0042, 0.02, 0.02, 0.3, 7.0, 0.005, 0.0075] * 5
+    one, many = CollectorRegistry(), CollectorRegistry()
+    a = Histogram("h", "h", registry=one, buckets=GAP_BUCKETS)
+    b = Histogram("h", "h", registry=many, buckets=GAP_BUCKETS)
+    for value in values:
+        a.observe(value)
+    observe_many(b, values, GAP_BUCKETS)
+    for bound in [*map(str, GAP_BUCKETS), "+Inf"]:
+        assert one.get_sample_value("h_bucket", {"le": bound}) == many.get_sample_value("h_bucket", {"le": bound}), bound
+    assert one.get_sample_value("h_sum") == pytest.approx(many.get_sample_value("h_sum"))
+    assert one.get_sample_value("h_count") == many.get_sample_value("h_count") == len(values)

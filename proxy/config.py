@@ -63,7 +63,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("tokenize", bool, True, "count prompt tokens with the tokenizer off the critical path (the tokenize phase)"),
     Option("default_encoding", str, "o200k_base", "tiktoken encoding for models tiktoken does not know"),
     Option("max_models", int, 100, "distinct model label values before later ones become `other`"),
-    Option("token_spans", str, "spans", "per-chunk telemetry under the decode span: spans, events or off"),
+    Option("token_spans", str, "off", "per-chunk telemetry under the decode span: spans, events or off (see bench/RESULTS.md for the cost)"),
     Option("otlp_endpoint", str, "", "OTLP/HTTP endpoint for spans (default: the OTEL_EXPORTER_OTLP_* variables)"),
     Option("service_name", str, "", "service.name of the spans (default: OTEL_SERVICE_NAME or llm-latency-proxy)"),
     Option("records", int, 1000, "recent per-request records kept in memory for GET /llmproxy/requests"),
@@ -117,7 +117,7 @@ class Settings:
     tokenize: bool = True
     default_encoding: str = "o200k_base"
     max_models: int = 100
-    token_spans: str = "spans"
+    token_spans: str = "off"
     otlp_endpoint: str = ""
     service_name: str = ""
     records: int = 1000

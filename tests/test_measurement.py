@@ -93,7 +93,8 @@ def test_metrics_scraped_from_the_endpoint(proxy):
     assert '# {trace_id="' in openmetrics
 
 
-def test_spans_and_trace_context_end_to_end(sim, proxy):
+def test_spans_and_trace_context_end_to_end(sim, proxy_factory):
+    proxy = proxy_factory(token_spans="spans")
     incoming = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
     stream(proxy, 5, {"traceparent": incoming})
     proxy.last_record()

@@ -61,7 +61,7 @@ def test_spans_exported_over_otlp_http(sim):
     receiver = Receiver()
     port = free_port()
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, "OTEL_SERVICE_NAME": "proxy-under-test", "OTEL_BSP_SCHEDULE_DELAY": "100"}
-    proxy = Process(["serve", "--upstream", f"{sim.url}/v1", "--port", str(port)], f"http://127.0.0.1:{port}/healthz", env)
+    proxy = Process(["serve", "--upstream", f"{sim.url}/v1", "--port", str(port), "--token-spans", "spans"], f"http://127.0.0.1:{port}/healthz", env)
     try:
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-test", max_retries=0)
         for _ in c.chat.completions.create(model="sim-7b", messages=[{"role": "user", "content": "x"}], max_tokens=4, stream=True):

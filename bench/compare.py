@@ -309,10 +309,21 @@ def plot(rows: list[dict[str, Any]], sweep: list[int], path: Path) -> None:
         axis.set_title(title)
         axis.grid(True, alpha=0.3)
     left.axhline(5, color="red", linewidth=0.8, linestyle=":")
+    left.set_yscale("symlog", linthresh=1)
+    right.set_yscale("log")
     left.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
+def replot(results: Path, path: Path) -> None:
+    """Redraw the plot from a saved run (python bench/compare.py --replot bench/results.json bench/compare.png)."""
+    report = json.loads(results.read_text())
+    plot(report["rows"], report["args"]["sweep"], path)
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--replot"]:
+        replot(Path(sys.argv[2]), Path(sys.argv[3]))
+        raise SystemExit(0)
     raise SystemExit(main())

@@ -41,8 +41,18 @@ dashboards: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not e2e"
 
-bench: $(STAMP)
-	$(PY) bench/overhead.py
+# LiteLLM, for the side-by-side comparison, in its own environment.
+LITELLM_VENV ?= .venv-litellm
+$(LITELLM_VENV)/.installed:
+	$(PYTHON) -m venv $(LITELLM_VENV)
+	$(LITELLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(LITELLM_VENV)/bin/python -m pip install --quiet 'litellm[proxy]==1.108.7' prometheus_client
+	touch $@
+
+bench: $(STAMP) $(LITELLM_VENV)/.installed
+	$(PY) -m pip install --quiet matplotlib
+	LITELLM_PYTHON=$(LITELLM_VENV)/bin/python $(PY) bench/compare.py --out bench/results.json --plot bench/compare.png
+	$(PY) bench/overhead.py --pairs 300
 
 soak: $(STAMP)
 	$(PY) bench/soak.py --duration 1800 --concurrency 200 --json bench/soak-30min.json

@@ -1,0 +1,33 @@
+"""A few-second version of `make bench`: sanity bounds only (the real figures live in bench/)."""
+import asyncio
+import statistics
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import compare  # noqa: E402
+
+from proxy.demo import free_port  # noqa: E402
+from servers import Process  # noqa: E402
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+def test_bench_smoke(sim):
+    port = free_port()
+    proxy = Process(["serve", "--upstream", f"{sim.url}/v1", "--port", str(port)], f"http://127.0.0.1:{port}/healthz")
+    compare.SIM_URL = sim.url
+    try:
+        compare.schedule(compare.SEQ_SCHEDULE)
+        seq = asyncio.run(compare.sequential((sim.port, "/v1"), (port, "/v1"), 10))
+        compare.schedule(compare.SWEEP_SCHEDULE)
+        sweep = asyncio.run(compare.concurrent((port, "/v1"), 8, 2.0))
+    finally:
+        httpx.post(f"{sim.url}/sim/config", json={"ttft_ms": -1.0, "decode_tps": 100.0})
+        proxy.stop()
+    assert len(seq["added_ttft"]) == 10  # every pair complete: all 20 tokens relayed each time
+    assert statistics.median(seq["added_ttft"]) < 0.050
+    assert sweep["chunks"] >= 8 * 100 and sweep["chunks"] % 100 == 0  # whole streams only, no chunk lost

@@ -12,25 +12,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rawclient import Connection  # noqa: E402
 
-from proxy.demo import free_port, wait_healthy  # noqa: E402
+from proxy.demo import free_port, started  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 LITELLM_PYTHON = os.environ.get("LITELLM_PYTHON", str(ROOT / ".venv-litellm" / "bin" / "python"))
@@ -91,31 +89,9 @@ def peak_rss_mb(pid: int) -> float:
     return float("nan")
 
 
-@contextlib.contextmanager
-def process(args: list[str], health: str, env: dict[str, str] | None = None, headers: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen(args, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
-    try:
-        import httpx
-
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{args} exited with {proc.returncode}")
-            try:
-                if httpx.get(health, headers=headers, timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(health)
-            time.sleep(0.2)
-        yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+def process(command: list[str], health: str, env: dict[str, str] | None = None,
+            headers: dict[str, str] | None = None) -> Any:
+    return started([], health, env, command=command, headers=headers, quiet=True)
 
 
 async def sequential(direct: tuple[int, str], system: tuple[int, str], pairs: int) -> dict[str, list[float]]:

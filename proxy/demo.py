@@ -30,7 +30,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout: float = 60.0, verify: str | bool = True) -> None:
+def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout: float = 60.0, verify: str | bool = True,
+                 headers: dict[str, str] | None = None) -> None:
     if isinstance(verify, str):  # a CA bundle file (a test's self-signed upstream)
         import ssl
 
@@ -40,7 +41,7 @@ def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout: float = 60
         if process.poll() is not None:
             raise RuntimeError(f"{process.args} exited with {process.returncode}")
         try:
-            if httpx.get(url, timeout=1.0, verify=verify).status_code == 200:
+            if httpx.get(url, timeout=1.0, verify=verify, headers=headers).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
@@ -49,15 +50,19 @@ def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout: float = 60
 
 
 @contextlib.contextmanager
-def started(args: list[str], health_url: str, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
-    process = subprocess.Popen([sys.executable, "-m", "proxy", *args], env={**os.environ, **(env or {})})
+def started(args: list[str], health_url: str, env: dict[str, str] | None = None, command: list[str] | None = None,
+            headers: dict[str, str] | None = None, quiet: bool = False) -> Iterator[subprocess.Popen[bytes]]:
+    """`python -m proxy ARGS` (or `command`) as a child process, healthy before the body runs."""
+    out = subprocess.DEVNULL if quiet else None
+    process = subprocess.Popen(command or [sys.executable, "-m", "proxy", *args], env={**os.environ, **(env or {})},
+                               stdout=out, stderr=out)
     try:
-        wait_healthy(health_url, process)
+        wait_healthy(health_url, process, timeout=120, headers=headers)
         yield process
     finally:
         process.terminate()
         try:
-            process.wait(timeout=10)
+            process.wait(timeout=20)
         except subprocess.TimeoutExpired:
             process.kill()
 

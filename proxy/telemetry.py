@@ -103,6 +103,7 @@ class Telemetry:
         spans = None
         with self._guard("metrics"):
             self.in_flight.inc()
+            t.in_flight = True
         if self.tracing.enabled:
             with self._guard("tracing"):
                 carrier = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers if k in (b"traceparent", b"tracestate")}
@@ -125,8 +126,9 @@ class Telemetry:
         if t.finalized:
             return
         t.finalized = True
-        with self._guard("metrics"):
-            self.in_flight.dec()
+        if t.in_flight:
+            with self._guard("metrics"):
+                self.in_flight.dec()
         text = ""
         if body is not None:  # a non-streaming JSON response (relay.BodyInfo)
             usage, text = usage or body.usage, body.text

@@ -83,6 +83,7 @@ class RequestTiming:
     captured_input: str = ""  # prompt text, only with --capture-content (spans only)
     captured_output: str = ""  # completion text, only with --capture-content (spans only)
     finalized: bool = False
+    in_flight: bool = False  # counted in llmproxy_requests_in_flight (refused requests never are)
 
     @property
     def reused(self) -> bool | None:

@@ -90,6 +90,7 @@ def test_proxy_authentication_is_distinct_from_the_upstream_key(sim, proxy_facto
     for key in ("proxy-key-1", "file-key-2"):
         assert httpx.post(f"{server.v1}/chat/completions", json=body, headers={"authorization": f"Bearer {key}"}).status_code == 200
         assert "authorization" not in sim.stats()["last_headers"]  # the proxy's key never goes upstream
+    assert server.sample("llmproxy_requests_in_flight", {"upstream": server.settings.upstream_label}) == 0  # refusals never count
     keyed = proxy_factory(api_key="proxy-key-1", upstream_api_key="sk-upstream-9", upstream_api_key_env="X")
     httpx.post(f"{keyed.v1}/chat/completions", json=body, headers={"authorization": "Bearer proxy-key-1"})
     assert sim.stats()["last_headers"]["authorization"] == "Bearer sk-upstream-9"

@@ -37,7 +37,6 @@ class Exchange:
 
     def __init__(self, app: Any, scope: dict[str, Any], receive: Any, send: Any, timing: RequestTiming) -> None:
         self.app, self.scope, self.receive, self.send, self.t = app, scope, receive, send, timing
-        self.started = False  # response headers sent to the client
         self.relaying = False
         self.client_gone = False
         self.response: httpcore.Response | None = None
@@ -180,7 +179,6 @@ class Exchange:
         if json_ok:
             self.json_body, self.body_encoding = [], encoding
         await self.send({"type": "http.response.start", "status": response.status, "headers": out_headers})
-        self.started = True
         try:
             await self._stream(response, SSEDecoder() if is_sse else None)
         except (httpcore.TimeoutException, httpcore.NetworkError, httpcore.ProtocolError, TimeoutError) as exc:
@@ -272,7 +270,6 @@ class Exchange:
         out_headers.append((b"content-length", str(len(body)).encode()))
         await self.send({"type": "http.response.start", "status": response.status, "headers": out_headers})
         await self.send({"type": "http.response.body", "body": body, "more_body": False})
-        self.started = True
         t.response_end_ns = now_ns()
 
     async def _fail(self, error: ProxyError) -> None:
@@ -283,7 +280,6 @@ class Exchange:
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         await self.send({"type": "http.response.start", "status": error.status, "headers": headers})
         await self.send({"type": "http.response.body", "body": body, "more_body": False})
-        self.started = True
         t.response_end_ns = now_ns()
 
 

@@ -16,7 +16,7 @@ DONE = b"[DONE]"
 
 
 class Chunk:
-    __slots__ = ("text", "usage", "model", "usage_only", "valid", "extra")
+    __slots__ = ("text", "usage", "model", "usage_only", "valid", "timings")
 
     def __init__(self) -> None:
         self.text: str = ""  # generated text in this chunk ("" = not a content chunk)
@@ -24,7 +24,7 @@ class Chunk:
         self.model: str = ""
         self.usage_only: bool = False
         self.valid: bool = True
-        self.extra: dict[str, Any] | None = None  # engine-reported fields (llama.cpp `timings`)
+        self.timings: dict[str, Any] | None = None  # engine-reported per-request timings (llama.cpp)
 
 
 def _delta_text(choice: dict[str, Any]) -> str:
@@ -72,7 +72,7 @@ def parse_chunk(data: bytes) -> Chunk:
         chunk.model = model
     timings = obj.get("timings")
     if isinstance(timings, dict):
-        chunk.extra = {"timings": timings}
+        chunk.timings = timings
     return chunk
 
 

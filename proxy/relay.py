@@ -200,8 +200,6 @@ class Exchange:
                 now = now_ns()
                 if t.content_ns:  # after the first token the (shorter) inter-chunk limit applies
                     silence.reschedule(loop.time() + idle)
-                if t.first_byte_ns is None:
-                    t.first_byte_ns = now
                 if rewrite:
                     out = b"".join([self._rewritten(event, now) for event in decoder.feed(chunk)])  # type: ignore[union-attr]
                     if out:
@@ -239,8 +237,8 @@ class Exchange:
             t.response_model = chunk.model
         if chunk.usage is not None:
             self.usage = chunk.usage
-        if chunk.extra is not None:
-            t.engine = from_llamacpp(chunk.extra.get("timings"))
+        if chunk.timings is not None:
+            t.engine = from_llamacpp(chunk.timings)
         if not chunk.valid:
             t.malformed_chunks += 1
         return chunk
@@ -256,7 +254,7 @@ class Exchange:
             raw = strip_usage_null(event.raw)
         else:
             raw = event.raw
-        if self.strip and chunk.extra is not None and event.data is not None:
+        if self.strip and chunk.timings is not None and event.data is not None:
             raw = raw.replace(event.data, without_engine_fields(event.data), 1)
         return raw
 

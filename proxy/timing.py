@@ -57,11 +57,9 @@ class RequestTiming:
     tcp_end_ns: int | None = None
     tls_start_ns: int | None = None
     tls_end_ns: int | None = None
-    request_sent_ns: int | None = None
     headers_ns: int | None = None
     rtt_s: float | None = None  # kernel smoothed RTT of the connection used (TCP_INFO)
     # body
-    first_byte_ns: int | None = None
     content_ns: list[int] = field(default_factory=list)  # one instant per content chunk
     chunk_text: list[str] = field(default_factory=list)  # kept in memory only, for token counts
     upstream_end_ns: int | None = None

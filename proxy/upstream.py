@@ -117,8 +117,6 @@ class TraceHook:
             t.tls_start_ns = now
         elif step == "start_tls.complete":
             t.tls_end_ns = now
-        elif step == "send_request_body.complete":
-            t.request_sent_ns = now
         elif step == "receive_response_headers.complete":
             t.headers_ns = now
 

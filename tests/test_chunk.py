@@ -39,7 +39,7 @@ def test_invalid_json_is_marked_not_raised():
 
 def test_engine_timings_are_kept():
     data = orjson.dumps({"choices": [], "timings": {"prompt_ms": 12.5}})
-    assert parse_chunk(data).extra == {"timings": {"prompt_ms": 12.5}}
+    assert parse_chunk(data).timings == {"prompt_ms": 12.5}
 
 
 def test_strip_usage_null_restores_the_plain_chunk():

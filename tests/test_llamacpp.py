@@ -92,6 +92,7 @@ def test_the_byte_stream_is_unaltered(engine):
 
 def test_usage_injection_is_skipped_once_the_engine_reports_counts(engine, via):
     ask(via, 1)  # first stream: usage injected, the engine's timings seen
+    via.last_record()  # the proxy learns when it finalizes the request, just after the last byte
     assert via.app.upstream.reports_counts is True
     chunks = ask(via, 1)
     assert chunks[-1].usage is None  # nothing injected: the client's stream as llama.cpp sent it

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import statistics
+import time
 
 import httpx
 import openai
@@ -18,26 +19,55 @@ def stream(server, n=10, headers=None, model="sim-7b"):
         pass
 
 
-def test_ttft_within_5ms_of_the_injected_schedule(proxy):
+DIRECT = httpx.Client(timeout=30)  # one client: no TLS context or connection set-up inside a timing
+
+
+def direct_ttft(sim, body: dict, headers: dict) -> float:
+    """Time to the first content chunk as a client talking straight to the simulator sees it."""
+    start, elapsed = time.monotonic(), None
+    with DIRECT.stream("POST", f"{sim.url}/v1/chat/completions", json=body, headers=headers) as r:
+        for part in r.iter_raw():
+            if elapsed is None and b'"content":" ' in part:
+                elapsed = time.monotonic() - start
+    assert elapsed is not None, "no content"
+    return elapsed
+
+
+def test_ttft_within_5ms_of_the_injected_schedule(sim, proxy):
+    """Against the injected 200 ms as the upstream delivers it: a direct client, interleaved, is
+    the ground truth (on some hosts the loopback path itself adds a few ms after an idle wait)."""
+    body = {"model": "sim-7b", "messages": MSG, "max_tokens": 3, "stream": True}
+    headers = {"x-sim-ttft-ms": "200"}
+    direct = []
     for _ in range(5):
-        stream(proxy, 3, {"x-sim-ttft-ms": "200"})
-    ttfts = sorted(r["ttft_s"] for r in proxy.wait_records(5))
-    assert len(ttfts) == 5
+        direct.append(direct_ttft(sim, body, headers))
+        stream(proxy, 3, headers)
+    ttfts = [r["ttft_s"] for r in proxy.wait_records(5)[-5:]]
+    assert all(abs(d - 0.200) < 0.020 for d in direct), direct  # the schedule was delivered
+    errors = sorted(ttft - d for ttft, d in zip(ttfts, direct))
     # The median within 5 ms; every one within 10 ms (three Python processes share two cores here).
-    assert abs(ttfts[2] - 0.200) < 0.005, ttfts
-    assert all(abs(ttft - 0.200) < 0.010 for ttft in ttfts), ttfts
+    assert abs(errors[2]) < 0.005, (ttfts, direct)
+    assert all(abs(e) < 0.010 for e in errors), (ttfts, direct)
 
 
 def test_ttft_follows_prompt_length_at_the_prefill_rate(sim, proxy):
     c = openai.OpenAI(base_url=proxy.v1, api_key="sk-test", max_retries=0)
     prompt = " the" * 2493  # + 7 chat tokens = 2,500 prompt tokens: 0.5 s at 5,000 tok/s
-    for _ in c.chat.completions.create(model="sim-7b", messages=[{"role": "user", "content": prompt}], max_tokens=2, stream=True):
-        pass
-    record = proxy.last_record()
-    assert record["prompt_tokens"] == 2500
-    assert abs(record["ttft_s"] - 0.5) < 0.01
-    assert abs(record["phases_s"]["prefill"] - 0.5) < 0.01
-    assert record["prefill_tokens_per_second"] == pytest.approx(5000, rel=0.02)
+    body = {"model": "sim-7b", "messages": [{"role": "user", "content": prompt}], "max_tokens": 2, "stream": True}
+    direct = []
+    for _ in range(3):  # interleaved: direct, then through the proxy
+        direct.append(direct_ttft(sim, body, {}))
+        for _ in c.chat.completions.create(**body):
+            pass
+    records = proxy.wait_records(3)[-3:]
+    delivered = statistics.median(direct)
+    ttft = statistics.median(r["ttft_s"] for r in records)
+    prefill = statistics.median(r["phases_s"]["prefill"] for r in records)
+    assert all(r["prompt_tokens"] == 2500 for r in records)
+    assert abs(delivered - 0.5) < 0.02  # 2,500 tokens at 5,000 tok/s, as a direct client sees it
+    assert abs(ttft - delivered) < 0.01
+    assert abs(prefill - delivered) < 0.01
+    assert statistics.median(r["prefill_tokens_per_second"] for r in records) == pytest.approx(2500 / delivered, rel=0.03)
 
 
 def test_decode_rate_within_2_percent(proxy):

@@ -90,17 +90,24 @@ def test_spans_come_from_every_worker(sim):
 
         from concurrent.futures import ThreadPoolExecutor
 
-        with ThreadPoolExecutor(8) as pool:
-            assert list(pool.map(one, range(30))) == [200] * 30
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            pids = {resource.get("process.pid") for name, _, resource in receiver.spans() if name == "chat sim-7b"}
-            servers = [name for name, _, _ in receiver.spans() if name == "chat sim-7b"]
-            if len(servers) >= 30:
+        # Which worker accepts a connection is the kernel's choice: send batches until both have
+        # served some (bounded), then check that every request's span arrived.
+        sent, pids, servers = 0, set(), []
+        for _ in range(10):
+            with ThreadPoolExecutor(8) as pool:
+                assert list(pool.map(one, range(30))) == [200] * 30
+            sent += 30
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline:
+                servers = [resource.get("process.pid") for name, _, resource in receiver.spans() if name == "chat sim-7b"]
+                if len(servers) >= sent:
+                    break
+                time.sleep(0.2)
+            pids = set(servers)
+            if len(pids) == 2:
                 break
-            time.sleep(0.2)
     finally:
         proc.stop()
         receiver.server.shutdown()
-    assert len(servers) == 30
+    assert len(servers) == sent
     assert len(pids) == 2

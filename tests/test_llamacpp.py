@@ -84,7 +84,10 @@ def test_the_byte_stream_is_unaltered(engine):
             received = b"".join(r.iter_raw())
         assert len(tap.responses) == 1
         upstream = http_body(bytes(tap.responses[0]))
-        assert received == upstream and received.count(b"data: ") >= 13 and b'"timings"' in received
+        # llama.cpp holds back tokens that end mid-UTF-8 character, so the event count varies; the
+        # bytes must match exactly whatever it is.
+        assert received == upstream and received.count(b"data: ") >= 5 and b'"timings"' in received
+        assert received.endswith(b"data: [DONE]\n\n")
     finally:
         server.stop()
         tap.close()

@@ -8,20 +8,20 @@ from __future__ import annotations
 import hmac
 import logging
 import os
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request, Response
 from prometheus_client import CollectorRegistry
+from starlette.types import Receive, Scope, Send
 
 from .config import Settings
 from .errors import error_body
 from .metrics import ProxyMetrics, multiprocess_enabled
 from .relay import Exchange
 from .request import filter_headers
+from .offload import Offload
 from .telemetry import Telemetry
-from .timing import RequestTiming, now_ns
 from .tokens import Tokenizer
 from .tracing import Tracing, build_tracer_provider
 from .upstream import Upstream
@@ -48,8 +48,8 @@ class ProxyApp:
         self.tracer_provider = tracer_provider
         if tokenizer is None and settings.tokenize:
             tokenizer = Tokenizer(settings.default_encoding)
-        self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="llmproxy-tokenize")
-        self.telemetry = Telemetry(settings, self.metrics, Tracing(tracer_provider, settings), tokenizer, self.executor)
+        self.offload = Offload()
+        self.telemetry = Telemetry(settings, self.metrics, Tracing(tracer_provider, settings), tokenizer, self.offload)
         self.upstream = Upstream(settings)
         self._auth = f"Bearer {settings.upstream_api_key}".encode() if settings.upstream_api_key else None
         self.client_keys = settings.client_keys()
@@ -70,9 +70,9 @@ class ProxyApp:
             out.append((b"authorization", self._auth))
         return out
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            await Exchange(self, scope, receive, send, RequestTiming(received_ns=now_ns())).run()
+            await Exchange(self, scope, receive, send).run()
             return
         if self.settings.admin_port and scope["type"] == "http" and scope["path"] != "/healthz":
             scope = {**scope, "path": "/not-here"}  # the proxy's own endpoints live on the admin port
@@ -90,7 +90,7 @@ class ProxyApp:
             await self.upstream.aclose()
             if self.tracer_provider is not None:
                 self.tracer_provider.shutdown()
-            self.executor.shutdown(wait=False, cancel_futures=True)
+            self.offload.shutdown()
             if self.metrics.multiprocess:
                 from prometheus_client import multiprocess
 

@@ -1,12 +1,15 @@
-"""What one SSE data payload means for timing: content, usage, or neither.
+"""What one SSE data payload or JSON body means for timing: content per choice, usage, or neither.
 
-A content chunk carries generated text: `choices[].delta.content`, `delta.reasoning_content` /
-`delta.reasoning` (reasoning models emit these tokens first), tool-call `function.arguments`, or
-`choices[].text` (completions). Role-only chunks, finish-only chunks and the usage-only chunk
-(`choices: []` plus `usage`) are not content.
+A content chunk carries generated text for a choice (`choices[].index`): `delta.content`,
+`delta.refusal`, visible reasoning (`delta.reasoning_content` / `delta.reasoning`: some vLLM builds
+send both with the same text, so one of them is taken, never both), tool-call
+`function.arguments`, the legacy `delta.function_call.arguments`, or `choices[].text`
+(completions). Role-only, finish-only and usage-only chunks (`choices: []` plus `usage`) are not
+content.
 """
 from __future__ import annotations
 
+import re
 import zlib
 from typing import Any, NamedTuple
 
@@ -16,37 +19,41 @@ DONE = b"[DONE]"
 
 
 class Chunk:
-    __slots__ = ("text", "usage", "model", "usage_only", "valid", "timings")
+    __slots__ = ("texts", "reasoning", "usage", "model", "usage_only", "valid", "timings", "metrics")
 
     def __init__(self) -> None:
-        self.text: str = ""  # generated text in this chunk ("" = not a content chunk)
+        self.texts: list[tuple[int, str]] = []  # (choice index, generated text), choices with content only
+        self.reasoning: bool = False  # visible reasoning text was streamed in this chunk
         self.usage: dict[str, Any] | None = None
         self.model: str = ""
         self.usage_only: bool = False
         self.valid: bool = True
-        self.timings: dict[str, Any] | None = None  # engine-reported per-request timings (llama.cpp)
+        self.timings: dict[str, Any] | None = None  # llama.cpp's per-request timings
+        self.metrics: dict[str, Any] | None = None  # vLLM's per-request metrics (--enable-per-request-metrics)
+
+    @property
+    def text(self) -> str:
+        return "".join(text for _, text in self.texts)
 
 
-def _delta_text(choice: dict[str, Any]) -> str:
-    delta = choice.get("delta")
-    if delta is None:
-        text = choice.get("text")
-        return text if isinstance(text, str) else ""
-    if not isinstance(delta, dict):
-        return ""
-    parts = []
-    for key in ("content", "reasoning_content", "reasoning"):
-        value = delta.get(key)
-        if isinstance(value, str) and value:
-            parts.append(value)
+def _string(value: Any) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def _delta_text(delta: dict[str, Any]) -> tuple[str, bool]:
+    """(generated text, whether any of it is visible reasoning)."""
+    reasoning = _string(delta.get("reasoning_content")) or _string(delta.get("reasoning"))
+    parts = [_string(delta.get("content")), _string(delta.get("refusal")), reasoning]
+    call = delta.get("function_call")
+    if isinstance(call, dict):
+        parts.append(_string(call.get("arguments")))
     calls = delta.get("tool_calls")
     if isinstance(calls, list):
-        for call in calls:
-            fn = call.get("function") if isinstance(call, dict) else None
-            args = fn.get("arguments") if isinstance(fn, dict) else None
-            if isinstance(args, str) and args:
-                parts.append(args)
-    return "".join(parts)
+        for item in calls:
+            fn = item.get("function") if isinstance(item, dict) else None
+            if isinstance(fn, dict):
+                parts.append(_string(fn.get("arguments")))
+    return "".join(parts), bool(reasoning)
 
 
 def parse_chunk(data: bytes) -> Chunk:
@@ -61,8 +68,18 @@ def parse_chunk(data: bytes) -> Chunk:
         return chunk
     choices = obj.get("choices")
     if isinstance(choices, list):
-        texts = [_delta_text(c) for c in choices if isinstance(c, dict)]
-        chunk.text = "".join(texts)
+        for position, choice in enumerate(choices):
+            if not isinstance(choice, dict):
+                continue
+            delta = choice.get("delta")
+            if isinstance(delta, dict):
+                text, reasoning = _delta_text(delta)
+                chunk.reasoning = chunk.reasoning or reasoning
+            else:
+                text = _string(choice.get("text"))
+            if text:
+                index = choice.get("index")
+                chunk.texts.append((index if isinstance(index, int) else position, text))
     usage = obj.get("usage")
     if isinstance(usage, dict):
         chunk.usage = usage
@@ -73,33 +90,49 @@ def parse_chunk(data: bytes) -> Chunk:
     timings = obj.get("timings")
     if isinstance(timings, dict):
         chunk.timings = timings
+    metrics = obj.get("metrics")
+    if isinstance(metrics, dict):
+        chunk.metrics = metrics
     return chunk
 
 
-def read_usage(usage: dict[str, Any] | None) -> tuple[int | None, int | None]:
-    """(prompt_tokens, completion_tokens) from an OpenAI usage object, None where absent."""
+class Usage(NamedTuple):
+    """Counts from an OpenAI usage object; None where absent."""
+
+    prompt: int | None = None
+    completion: int | None = None
+    cached_prompt: int | None = None  # prompt_tokens_details.cached_tokens
+    reasoning: int | None = None  # completion_tokens_details.reasoning_tokens (part of completion)
+
+
+def _count(obj: Any, key: str) -> int | None:
+    value = obj.get(key) if isinstance(obj, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def read_usage(usage: dict[str, Any] | None) -> Usage:
     if not usage:
-        return None, None
-    prompt = usage.get("prompt_tokens")
-    completion = usage.get("completion_tokens")
-    return (prompt if isinstance(prompt, int) else None, completion if isinstance(completion, int) else None)
+        return Usage()
+    return Usage(_count(usage, "prompt_tokens"), _count(usage, "completion_tokens"),
+                 _count(usage.get("prompt_tokens_details"), "cached_tokens"),
+                 _count(usage.get("completion_tokens_details"), "reasoning_tokens"))
+
+
+_USAGE_NULL = re.compile(rb'\s*,\s*"usage"\s*:\s*null(?=\s*[,}])|"usage"\s*:\s*null\s*,\s*')
 
 
 def strip_usage_null(raw: bytes) -> bytes:
-    """Remove the `"usage":null` key that include_usage adds to every chunk (OpenAI does)."""
-    if b'"usage":null' not in raw:
+    """Remove the `"usage": null` key that include_usage adds to every chunk (any spacing)."""
+    if b'"usage"' not in raw:
         return raw
-    for pattern in (b',"usage":null', b'"usage":null,'):
-        if pattern in raw:
-            return raw.replace(pattern, b"", 1)
-    return raw
+    return _USAGE_NULL.sub(b"", raw, count=1)
 
 
-ENGINE_FIELDS = ("timings",)
+ENGINE_FIELDS = ("timings", "metrics")
 
 
 def without_engine_fields(data: bytes) -> bytes:
-    """The JSON payload minus engine-only fields (llama.cpp `timings`); unchanged if none or invalid."""
+    """The JSON payload minus engine-only fields (llama.cpp `timings`, vLLM `metrics`); unchanged if none or invalid."""
     try:
         obj = orjson.loads(data)
     except orjson.JSONDecodeError:
@@ -116,14 +149,17 @@ class BodyInfo(NamedTuple):
     model: str = ""
     text: str = ""
     timings: Any = None
+    metrics: Any = None
 
 
-def read_json_body(parts: list[bytes] | None, encoding: bytes = b"identity") -> BodyInfo:
-    """What a non-streaming JSON response says: usage, model, generated text, engine timings."""
-    if not parts:
+def read_json_body(raw: bytes, encoding: bytes = b"identity") -> BodyInfo:
+    """What a non-streaming JSON response says: usage, model, generated text, engine timings.
+
+    Pure and picklable in and out, so a large body can be read in another process.
+    """
+    if not raw:
         return BodyInfo()
     try:
-        raw = b"".join(parts)
         if encoding != b"identity":
             raw = zlib.decompress(raw, 16 + zlib.MAX_WBITS if encoding == b"gzip" else zlib.MAX_WBITS)
         obj = orjson.loads(raw)
@@ -134,10 +170,13 @@ def read_json_body(parts: list[bytes] | None, encoding: bytes = b"identity") -> 
     texts = []
     for choice in obj.get("choices") or []:
         if isinstance(choice, dict):
-            message = choice.get("message") or {}
-            text = message.get("content") if isinstance(message, dict) else None
-            text = text if isinstance(text, str) else choice.get("text")
-            if isinstance(text, str):
-                texts.append(text)
+            message = choice.get("message")
+            if isinstance(message, dict):
+                text, _ = _delta_text(message)
+            else:
+                text = _string(choice.get("text"))
+            texts.append(text)
     usage, model = obj.get("usage"), obj.get("model")
-    return BodyInfo(usage if isinstance(usage, dict) else None, model if isinstance(model, str) else "", "".join(texts), obj.get("timings"))
+    metrics = obj.get("metrics")
+    return BodyInfo(usage if isinstance(usage, dict) else None, model if isinstance(model, str) else "", "".join(texts),
+                    obj.get("timings"), metrics if isinstance(metrics, dict) else None)

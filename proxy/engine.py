@@ -1,41 +1,56 @@
 """Engine-reported per-request timings, joined to the proxy's own measurement.
 
-llama.cpp's server puts `timings` in the last stream chunk and in non-streaming bodies:
-`prompt_n`, `prompt_ms` (prompt processing = the engine's prefill), `predicted_n`, `predicted_ms`,
-`predicted_per_token_ms`, `cache_n`. With them the proxy splits its `prefill` phase into the
-engine's own `prefill` and the rest, `queue` (waiting for a slot, the server's HTTP handling and
-tokenization), and a non-streaming `server` phase into queue, prefill and decode.
-vLLM reports no per-request timings in its OpenAI responses; its queue/prefill/decode come as
-spans through the W3C trace context the proxy propagates.
+- llama.cpp's server puts `timings` in the last stream chunk and in non-streaming bodies:
+  `prompt_n`, `prompt_ms` (prompt processing = the engine's prefill), `predicted_n`,
+  `predicted_ms`, `predicted_per_token_ms`, `cache_n` (prompt tokens served from its cache).
+- vLLM with `--enable-per-request-metrics` (0.32.0 has it; see tests/data/vllm-0.32.0) puts a
+  `metrics` object on the usage chunk (stream) or at the top level: `queue_time_ms`,
+  `time_to_first_token_ms` (counted from scheduling, so: its prefill), `generation_time_ms`,
+  `mean_itl_ms`. Without the flag, vLLM's timings come as spans through the propagated trace.
+- TGI answers with headers `x-queue-time`, `x-inference-time`, `x-time-per-token` (ms),
+  `x-prompt-tokens`, `x-generated-tokens`; it does not split inference into prefill and decode.
+
+With them the proxy splits its `prefill` phase into the engine's own `prefill` and the rest,
+`queue` (waiting for a slot, the server's HTTP handling and tokenization), and a non-streaming
+`server` phase into queue, prefill and decode (or queue and the rest, for TGI).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import asdict, dataclass
+from typing import Any, Literal, Mapping
+
+EngineSource = Literal["llama.cpp", "vllm", "tgi"]
 
 
 @dataclass(slots=True)
 class EngineTimings:
-    source: str
-    prompt_s: float | None = None
+    source: EngineSource
+    prompt_s: float | None = None  # the engine's prefill
     decode_s: float | None = None
     per_token_s: float | None = None
+    queue_s: float | None = None  # the engine's own queue wait, when it reports one
     prompt_tokens: int | None = None
     predicted_tokens: int | None = None
     cached_tokens: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {"source": self.source, "prompt_s": self.prompt_s, "decode_s": self.decode_s, "per_token_s": self.per_token_s,
-                "prompt_tokens": self.prompt_tokens, "predicted_tokens": self.predicted_tokens, "cached_tokens": self.cached_tokens}
+        return asdict(self)
 
 
-def _num(obj: dict[str, Any], key: str) -> float | None:
+def _num(obj: Mapping[str, Any], key: str, scale: float = 1.0) -> float | None:
     value = obj.get(key)
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    if isinstance(value, (bytes, str)):
+        try:
+            value = float(value)
+        except ValueError:
+            return None
+    return float(value) * scale if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def _int(obj: dict[str, Any], key: str) -> int | None:
+def _int(obj: Mapping[str, Any], key: str) -> int | None:
     value = obj.get(key)
+    if isinstance(value, (bytes, str)) and value.isdigit():
+        return int(value)
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
@@ -43,31 +58,57 @@ def from_llamacpp(timings: Any) -> EngineTimings | None:
     """llama.cpp's `timings` object, milliseconds converted to seconds."""
     if not isinstance(timings, dict):
         return None
-    prompt_ms, predicted_ms, per_token_ms = _num(timings, "prompt_ms"), _num(timings, "predicted_ms"), _num(timings, "predicted_per_token_ms")
-    if prompt_ms is None and predicted_ms is None:
+    prompt_s, decode_s = _num(timings, "prompt_ms", 1e-3), _num(timings, "predicted_ms", 1e-3)
+    if prompt_s is None and decode_s is None:
         return None
-    return EngineTimings(
-        source="llama.cpp",
-        prompt_s=prompt_ms / 1000 if prompt_ms is not None else None,
-        decode_s=predicted_ms / 1000 if predicted_ms is not None else None,
-        per_token_s=per_token_ms / 1000 if per_token_ms is not None else None,
-        prompt_tokens=_int(timings, "prompt_n"),
-        predicted_tokens=_int(timings, "predicted_n"),
-        cached_tokens=_int(timings, "cache_n"),
-    )
+    return EngineTimings("llama.cpp", prompt_s=prompt_s, decode_s=decode_s, per_token_s=_num(timings, "predicted_per_token_ms", 1e-3),
+                         prompt_tokens=_int(timings, "prompt_n"), predicted_tokens=_int(timings, "predicted_n"),
+                         cached_tokens=_int(timings, "cache_n"))
+
+
+def from_vllm(metrics: Any) -> EngineTimings | None:
+    """vLLM's per-request `metrics` object (--enable-per-request-metrics)."""
+    if not isinstance(metrics, dict):
+        return None
+    prompt_s = _num(metrics, "time_to_first_token_ms", 1e-3)
+    if prompt_s is None:
+        return None
+    return EngineTimings("vllm", prompt_s=prompt_s, decode_s=_num(metrics, "generation_time_ms", 1e-3),
+                         per_token_s=_num(metrics, "mean_itl_ms", 1e-3), queue_s=_num(metrics, "queue_time_ms", 1e-3))
+
+
+def from_tgi(headers: list[tuple[bytes, bytes]]) -> EngineTimings | None:
+    """TGI's timing headers on a response, if it sent them."""
+    found = {k.lower().decode("latin-1"): v for k, v in headers if k[:2].lower() == b"x-"}
+    queue_s = _num(found, "x-queue-time", 1e-3)
+    inference_s = _num(found, "x-inference-time", 1e-3)
+    if queue_s is None and inference_s is None:
+        return None
+    return EngineTimings("tgi", queue_s=queue_s, per_token_s=_num(found, "x-time-per-token", 1e-3),
+                         prompt_tokens=_int(found, "x-prompt-tokens"), predicted_tokens=_int(found, "x-generated-tokens"))
 
 
 def refine(phases: dict[str, float], engine: EngineTimings | None) -> dict[str, float]:
     """Split the proxy's server-side phase with the engine's own numbers; the sum is unchanged."""
-    if engine is None or engine.prompt_s is None:
+    if engine is None:
         return phases
     out = dict(phases)
     if "prefill" in out:
-        prefill = min(engine.prompt_s, out["prefill"])
+        if engine.prompt_s is not None:
+            prefill = min(engine.prompt_s, out["prefill"])
+        elif engine.queue_s is not None:
+            prefill = out["prefill"] - min(engine.queue_s, out["prefill"])
+        else:
+            return phases
         out["queue"], out["prefill"] = out["prefill"] - prefill, prefill
-    elif "server" in out and engine.decode_s is not None:
-        server = out.pop("server")
-        prefill = min(engine.prompt_s, server)
-        decode = min(engine.decode_s, server - prefill)
-        out.update(queue=server - prefill - decode, prefill=prefill, decode=decode)
+    elif "server" in out:
+        server = out["server"]
+        if engine.prompt_s is not None and engine.decode_s is not None:
+            prefill = min(engine.prompt_s, server)
+            decode = min(engine.decode_s, server - prefill)
+            del out["server"]
+            out.update(queue=server - prefill - decode, prefill=prefill, decode=decode)
+        elif engine.queue_s is not None:  # TGI: queue, and inference as one
+            queue = min(engine.queue_s, server)
+            out.update(queue=queue, server=server - queue)
     return out

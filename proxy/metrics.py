@@ -50,21 +50,21 @@ class MetricDef:
 
 
 METRICS: tuple[MetricDef, ...] = (
-    MetricDef("llmproxy_requests", "counter", "Finished requests by outcome (ok, upstream_error, client_disconnect, timeout, proxy_error) and HTTP status.", BASE + ("outcome", "code")),
+    MetricDef("llmproxy_requests", "counter", "Finished requests by outcome (ok, upstream_error, client_disconnect, client_slow, timeout, proxy_error) and HTTP status. The latency histograms below describe the ok ones.", BASE + ("outcome", "code")),
     MetricDef("llmproxy_requests_in_flight", "gauge", "Requests being relayed now.", ("upstream",)),
-    MetricDef("llmproxy_request_duration_seconds", "histogram", "End to end: request received by the proxy to the last byte relayed.", BASE, LATENCY_BUCKETS),
-    MetricDef("llmproxy_time_to_first_token_seconds", "histogram", "First content chunk minus request received by the proxy (streaming).", BASE, LATENCY_BUCKETS),
-    MetricDef("llmproxy_inter_token_latency_seconds", "histogram", "Gap between consecutive content chunks divided by the tokens in the later chunk.", BASE, GAP_BUCKETS),
-    MetricDef("llmproxy_inter_chunk_latency_seconds", "histogram", "Gap between consecutive content chunks.", BASE, GAP_BUCKETS),
-    MetricDef("llmproxy_decode_tokens_per_second", "histogram", "Per request: (completion_tokens - 1) / (last content chunk - first content chunk).", BASE, TPS_BUCKETS),
-    MetricDef("llmproxy_prefill_tokens_per_second", "histogram", "Per request: prompt_tokens / prefill phase seconds.", BASE, PREFILL_TPS_BUCKETS),
-    MetricDef("llmproxy_phase_seconds", "histogram", "Seconds of each phase of a request (proxy, network, tokenize, queue, prefill, decode, server); the phases sum to the request duration.", BASE + ("phase",), LATENCY_BUCKETS),
-    MetricDef("llmproxy_engine_prefill_seconds", "histogram", "Reported by the engine (llama.cpp timings.prompt_ms): its prompt processing time.", BASE, LATENCY_BUCKETS),
-    MetricDef("llmproxy_engine_time_per_output_token_seconds", "histogram", "Reported by the engine (llama.cpp timings.predicted_per_token_ms): its decode time per output token.", BASE, GAP_BUCKETS),
+    MetricDef("llmproxy_request_duration_seconds", "histogram", "End to end: request received by the proxy to the last byte relayed (successful requests).", BASE, LATENCY_BUCKETS),
+    MetricDef("llmproxy_time_to_first_token_seconds", "histogram", "First content chunk of any choice minus request received by the proxy (successful streaming requests).", BASE, LATENCY_BUCKETS),
+    MetricDef("llmproxy_inter_token_latency_seconds", "histogram", "Per choice: gap between consecutive content chunks divided by the tokens in the later chunk.", BASE, GAP_BUCKETS),
+    MetricDef("llmproxy_inter_chunk_latency_seconds", "histogram", "Per choice: gap between consecutive content chunks.", BASE, GAP_BUCKETS),
+    MetricDef("llmproxy_decode_tokens_per_second", "histogram", "Per request: tokens streamed after each choice's first content chunk / that choice's decode window, averaged over choices; hidden reasoning tokens excluded.", BASE, TPS_BUCKETS),
+    MetricDef("llmproxy_prefill_tokens_per_second", "histogram", "Per request: uncached prompt tokens / prefill phase seconds.", BASE, PREFILL_TPS_BUCKETS),
+    MetricDef("llmproxy_phase_seconds", "histogram", "Seconds of each phase of a successful request (client, proxy, network, tokenize, queue, reasoning, prefill, decode, server); the phases sum to the request duration.", BASE + ("phase",), LATENCY_BUCKETS),
+    MetricDef("llmproxy_engine_prefill_seconds", "histogram", "Reported by the engine (llama.cpp timings.prompt_ms, vLLM metrics.time_to_first_token_ms): its prompt processing time.", BASE, LATENCY_BUCKETS),
+    MetricDef("llmproxy_engine_time_per_output_token_seconds", "histogram", "Reported by the engine (llama.cpp timings.predicted_per_token_ms, vLLM metrics.mean_itl_ms, TGI x-time-per-token): its decode time per output token.", BASE, GAP_BUCKETS),
     MetricDef("llmproxy_upstream_connect_seconds", "histogram", "Opening a new upstream connection, by step (dns, tcp, tls).", ("upstream", "step"), LATENCY_BUCKETS),
     MetricDef("llmproxy_upstream_rtt_seconds", "histogram", "Kernel smoothed RTT (TCP_INFO) of the upstream connection a request used.", ("upstream",), LATENCY_BUCKETS),
     MetricDef("llmproxy_tokenize_seconds", "histogram", "Tokenizer time per request, by kind (prompt, completion).", ("model", "kind"), TOKENIZE_BUCKETS),
-    MetricDef("llmproxy_tokens", "counter", "Tokens by kind (prompt, completion) and source (usage, engine, tokenizer).", ("model", "upstream", "kind", "source")),
+    MetricDef("llmproxy_tokens", "counter", "Tokens by kind (prompt, completion, cached_prompt: prompt tokens served from the cache, reasoning: hidden reasoning tokens, part of completion) and source (usage, engine, tokenizer).", ("model", "upstream", "kind", "source")),
     MetricDef("llmproxy_upstream_connections", "counter", "Upstream requests by whether they reused a pooled connection.", ("upstream", "reused")),
     MetricDef("llmproxy_telemetry_errors", "counter", "Failures inside metrics, tracing, tokenizer or records; the request itself was unaffected.", ("component",)),
 )
@@ -138,14 +138,32 @@ class ProxyMetrics:
     def telemetry_error(self, component: str) -> None:
         self.m["llmproxy_telemetry_errors"].labels(component).inc()
 
-    def observe(self, t: RequestTiming, b: Breakdown, upstream: str, trace_id: str | None = None) -> None:
-        """Everything about one finished request, in one place."""
+    def observe(self, t: RequestTiming, b: Breakdown | None, upstream: str, trace_id: str | None = None) -> None:
+        """Everything about one finished request, in one place. The latency breakdown describes
+        successful requests only: a 10 s connect timeout must not bend the split of the ok ones."""
         model = self.models(t.model)
         stream = "true" if t.stream else "false"
-        c = self._children(model, upstream, t.endpoint, stream)
-        ex = {"trace_id": trace_id} if trace_id and not self.multiprocess else None
         m = self.m
         m["llmproxy_requests"].labels(model, upstream, t.endpoint, stream, t.outcome, str(t.status_code)).inc()
+        for step, seconds in (b.connect.items() if b is not None else ()):
+            m["llmproxy_upstream_connect_seconds"].labels(upstream, step).observe(seconds)
+        if t.rtt_s is not None:
+            m["llmproxy_upstream_rtt_seconds"].labels(upstream).observe(t.rtt_s)
+        if t.reused is not None:
+            m["llmproxy_upstream_connections"].labels(upstream, "true" if t.reused else "false").inc()
+        if t.tokenize_prompt_s is not None:
+            m["llmproxy_tokenize_seconds"].labels(model, "prompt").observe(t.tokenize_prompt_s)
+        if t.tokenize_completion_s is not None:
+            m["llmproxy_tokenize_seconds"].labels(model, "completion").observe(t.tokenize_completion_s)
+        tokens = m["llmproxy_tokens"]
+        for kind, count in (("prompt", t.prompt_tokens), ("completion", t.completion_tokens),
+                            ("cached_prompt", t.cached_prompt_tokens), ("reasoning", t.hidden_reasoning_tokens)):
+            if count:
+                tokens.labels(model, upstream, kind, t.token_source).inc(count)
+        if b is None or t.outcome != "ok":
+            return
+        c = self._children(model, upstream, t.endpoint, stream)
+        ex = {"trace_id": trace_id} if trace_id and not self.multiprocess else None
         c["llmproxy_request_duration_seconds"].observe(b.e2e_s, ex)
         if b.ttft_s is not None:
             c["llmproxy_time_to_first_token_seconds"].observe(b.ttft_s, ex)
@@ -167,20 +185,6 @@ class ProxyMetrics:
             if child is None:
                 child = phases[phase] = m["llmproxy_phase_seconds"].labels(model, upstream, t.endpoint, stream, phase)
             child.observe(seconds)
-        for step, seconds in b.connect.items():
-            m["llmproxy_upstream_connect_seconds"].labels(upstream, step).observe(seconds)
-        if t.rtt_s is not None:
-            m["llmproxy_upstream_rtt_seconds"].labels(upstream).observe(t.rtt_s)
-        if t.reused is not None:
-            m["llmproxy_upstream_connections"].labels(upstream, "true" if t.reused else "false").inc()
-        if t.tokenize_prompt_s is not None:
-            m["llmproxy_tokenize_seconds"].labels(model, "prompt").observe(t.tokenize_prompt_s)
-        if t.tokenize_completion_s is not None:
-            m["llmproxy_tokenize_seconds"].labels(model, "completion").observe(t.tokenize_completion_s)
-        if t.prompt_tokens:
-            m["llmproxy_tokens"].labels(model, upstream, "prompt", t.token_source).inc(t.prompt_tokens)
-        if t.completion_tokens:
-            m["llmproxy_tokens"].labels(model, upstream, "completion", t.token_source).inc(t.completion_tokens)
 
     def render(self, accept: str) -> tuple[bytes, str]:
         """The exposition for GET /metrics (OpenMetrics with exemplars when asked for)."""

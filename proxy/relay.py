@@ -2,9 +2,9 @@
 
 The loop in `_stream` timestamps each upstream read, forwards it untouched, then frames a copy to
 note content chunks. It builds no metric, span or log: `Telemetry.finish` does that once, from the
-timing record, after the last byte went out. Only when the proxy injected
-`stream_options.include_usage` does it forward per SSE event, to drop the usage-only chunk the
-client did not ask for.
+request's context, in `run`'s one `finally`. Only when the proxy injected
+`stream_options.include_usage` (or strips engine fields) does it forward per SSE event, to drop
+the usage-only chunk the client did not ask for.
 """
 from __future__ import annotations
 
@@ -12,20 +12,42 @@ import asyncio
 import hmac
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import httpcore
+from starlette.types import Receive, Scope, Send
 
-from .chunk import DONE, Chunk, parse_chunk, read_json_body, strip_usage_null, without_engine_fields
-from .engine import from_llamacpp
-from .errors import BadPath, BodyTimeout, BodyTooLarge, ProxyError, Unauthorized, UpstreamTimeout, map_transport_error
-from .request import filter_headers, parse_request, usage_injected_body
+from .chunk import DONE, Chunk, parse_chunk, strip_usage_null, without_engine_fields
+from .config import Settings
+from .engine import from_llamacpp, from_tgi, from_vllm
+from .errors import (BadPath, BodyTimeout, BodyTooLarge, ProxyError, Unauthorized, UpstreamTimeout, map_transport_error)
+from .request import filter_headers, usage_injected_body
 from .sse import Event, SSEDecoder
+from .telemetry import RequestContext
 from .timing import RequestTiming, now_ns
+
+if TYPE_CHECKING:
+    from .offload import Offload
+    from .telemetry import Telemetry
+    from .upstream import Upstream
 
 log = logging.getLogger("llmproxy.relay")
 
 NON_STREAM_BODY_LIMIT = 16 * 1024 * 1024  # bytes kept for reading usage from a JSON body
+ERROR_BODY_LIMIT = 64 * 1024  # an upstream 400 read whole, to see whether it rejects stream_options
+TRANSPORT = (httpcore.TimeoutException, httpcore.NetworkError, httpcore.ProtocolError)
+
+
+class AppView(Protocol):
+    """What an Exchange needs from the application."""
+
+    settings: Settings
+    telemetry: Telemetry
+    upstream: Upstream
+    offload: Offload
+    client_keys: tuple[str, ...]
+
+    def upstream_headers(self, headers: list[tuple[bytes, bytes]], length: int) -> list[tuple[bytes, bytes]]: ...
 
 
 class ClientGone(Exception):
@@ -35,17 +57,67 @@ class ClientGone(Exception):
 class Exchange:
     """One proxied request. Created per request; `run` is the whole ASGI response."""
 
-    def __init__(self, app: Any, scope: dict[str, Any], receive: Any, send: Any, timing: RequestTiming) -> None:
-        self.app, self.scope, self.receive, self.send, self.t = app, scope, receive, send, timing
+    def __init__(self, app: AppView, scope: Scope, receive: Receive, send: Send) -> None:
+        self.app, self.scope, self.receive, self.send = app, scope, receive, send
+        received = now_ns()
+        self.t = RequestTiming(received_ns=received)
+        self.ctx = RequestContext(self.t, time.time_ns() - received)
         self.relaying = False
         self.client_gone = False
+        self.started = False  # http.response.start went to the client
+        self.sending = False  # blocked handing bytes to the client (a slow reader)
         self.response: httpcore.Response | None = None
-        self.usage: dict[str, Any] | None = None
         self.json_body: list[bytes] | None = None
         self.body_encoding = b"identity"
         self.injected = False  # we asked for include_usage: drop the usage chunk, strip usage:null
         self.strip = False  # --strip-engine-fields applies to this response
         self.rewrite = False  # forward per SSE event instead of per read
+
+    async def run(self) -> None:
+        t, app = self.t, self.app
+        task = asyncio.current_task()
+        assert task is not None
+        watcher: asyncio.Task[None] | None = None
+        try:
+            self._check_request()
+            body = await self._read_body()
+            t.body_end_ns = now_ns()
+            watcher = asyncio.create_task(self._watch(task))
+            await self._relay(body)
+        except ClientGone:
+            t.outcome, t.status_code = "client_disconnect", t.status_code or 499
+        except asyncio.CancelledError:
+            if not self.client_gone:
+                t.outcome, t.error = "proxy_error", t.error or "cancelled"  # the server is shutting down
+                raise
+            task.uncancel()
+            t.outcome, t.status_code = "client_disconnect", t.status_code or 499
+        except ProxyError as error:
+            await self._fail(error)
+        except Exception:  # a bug of ours: the client gets a clean 500, the request is still finished
+            log.exception("unexpected error while relaying")
+            await self._fail(ProxyError("internal proxy error"))
+        finally:
+            self.relaying = False
+            if watcher is not None:
+                watcher.cancel()
+            if self.response is not None:
+                await app.upstream.release(self.response)  # mid-body: closes the socket, so vLLM aborts
+            if t.response_end_ns is None:
+                t.response_end_ns = now_ns()
+            await app.telemetry.finish(self.ctx)
+
+    def _check_request(self) -> None:
+        """Proxy authentication and path sanity, before the body is read."""
+        keys = self.app.client_keys
+        if keys:
+            auth = _header(self.scope["headers"], b"authorization", b"")
+            token = auth[7:].strip().decode("latin-1") if auth[:7].lower() == b"bearer " else ""
+            if not any(hmac.compare_digest(token, key) for key in keys):
+                raise Unauthorized("missing or incorrect API key for the proxy")
+        segments = self.scope["path"].split("/")
+        if ".." in segments or "." in segments:
+            raise BadPath("paths with dot segments are not relayed")
 
     async def _read_body(self) -> bytes:
         """The whole request body, bounded in size (413) and in time (408)."""
@@ -71,18 +143,6 @@ class Exchange:
         except TimeoutError:
             raise BodyTimeout(f"the request body took longer than {settings.body_timeout} s to arrive") from None
 
-    def _check_request(self) -> None:
-        """Proxy authentication and path sanity, before the body is read."""
-        keys = self.app.client_keys
-        if keys:
-            auth = _header(self.scope["headers"], b"authorization", b"")
-            token = auth[7:].strip().decode("latin-1") if auth[:7].lower() == b"bearer " else ""
-            if not any(hmac.compare_digest(token, key) for key in keys):
-                raise Unauthorized("missing or incorrect API key for the proxy")
-        segments = self.scope["path"].split("/")
-        if ".." in segments or "." in segments:
-            raise BadPath("paths with dot segments are not relayed")
-
     async def _watch(self, task: asyncio.Task[Any]) -> None:
         while True:
             message = await self.receive()
@@ -92,82 +152,113 @@ class Exchange:
                     task.cancel()
                 return
 
-    async def run(self) -> None:
-        t, app = self.t, self.app
-        wall_offset = time.time_ns() - t.received_ns
-        try:
-            self._check_request()
-            body = await self._read_body()
-        except ClientGone:
-            t.outcome, t.status_code = "client_disconnect", 499
-            await app.telemetry.finish(t, None, wall_offset)
-            return
-        except ProxyError as error:  # refused before anything went upstream
-            await self._fail(error)
-            await app.telemetry.finish(t, None, wall_offset)
-            return
-        t.endpoint, parsed = parse_request(self.scope["path"][3:], body)
+    async def _relay(self, body: bytes) -> None:
+        t, app, ctx = self.t, self.app, self.ctx
+        upstream = app.upstream
+        encoding = app.settings.default_encoding if app.telemetry.tokenizer is not None else None
+        endpoint, parsed, ctx.prompt_count = await app.offload.request(self.scope["path"][3:], body, encoding)
+        t.endpoint = endpoint  # type: ignore[assignment]
+        original = body
         if parsed is not None:
             t.model = str(parsed.get("model") or "unknown")
             t.stream = parsed.get("stream") is True
-            if t.stream and app.settings.inject_usage and not app.upstream.reports_counts and t.endpoint in ("chat", "completions"):
+            ctx.request, ctx.request_size = (None if parsed.get("_partial") else parsed), len(body)
+            if (t.stream and app.settings.inject_usage and not upstream.reports_counts and not upstream.rejects_stream_options
+                    and endpoint in ("chat", "completions") and not (parsed.get("_partial") and "stream_options" in parsed)):
                 new_body = usage_injected_body(parsed, body)
                 if new_body is not None:
                     body, self.injected = new_body, True
         headers = app.upstream_headers(self.scope["headers"], len(body))
-        spans = app.telemetry.start(t, self.scope["headers"], parsed, wall_offset, len(body))
-        if spans is not None:
-            headers.append((b"traceparent", spans.traceparent()))
-        task = asyncio.current_task()
-        assert task is not None
+        app.telemetry.start(ctx, self.scope["headers"])
+        if ctx.spans is not None:
+            headers.append((b"traceparent", ctx.spans.traceparent()))
         self.relaying = True
-        watcher = asyncio.create_task(self._watch(task))
-        try:
-            await self._exchange(body, headers)
-        except asyncio.CancelledError:
-            if not self.client_gone:
-                raise
-            task.uncancel()
-            t.outcome = "client_disconnect"
-            t.status_code = t.status_code or 499
-        finally:
-            self.relaying = False
-            watcher.cancel()
-            if self.response is not None:
-                await app.upstream.release(self.response)  # mid-body: closes the socket, so vLLM aborts
-            if t.response_end_ns is None:
-                t.response_end_ns = now_ns()
-            t.upstream_end_ns = t.upstream_end_ns or t.response_end_ns
-        body_info = read_json_body(self.json_body, self.body_encoding)
-        if body_info.timings is not None and t.engine is None:
-            t.engine = from_llamacpp(body_info.timings)
-        if t.stream and t.engine is not None and t.engine.predicted_tokens is not None:
-            app.upstream.reports_counts = True
-        await app.telemetry.finish(t, spans, wall_offset, self.usage, body_info)
+        await self._exchange(body, original, headers)
+        if self.json_body:
+            ctx.body = info = await app.offload.response(self.json_body, self.body_encoding)
+            self.json_body = None
+            engine = from_llamacpp(info.timings) or from_vllm(info.metrics)
+            t.engine = engine or t.engine
+        if t.stream and t.engine is not None and t.engine.predicted_tokens is not None and t.engine.source == "llama.cpp":
+            upstream.reports_counts = True
 
-    async def _exchange(self, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+    async def _exchange(self, body: bytes, original: bytes, headers: list[tuple[bytes, bytes]]) -> None:
         t, app = self.t, self.app
-        url = app.upstream.url(self.scope["path"][3:], self.scope.get("query_string", b""))
+        upstream, limit = app.upstream, app.settings.first_token_timeout
+        url = upstream.url(self.scope["path"][3:], self.scope.get("query_string", b""))
+        loop = asyncio.get_running_loop()
         try:
-            async with asyncio.timeout(app.settings.first_token_timeout):
-                self.response = await app.upstream.send(self.scope["method"], url, headers, body, t)
+            async with asyncio.timeout_at(loop.time() + limit) as silence:
+                try:
+                    response = self.response = await upstream.send(self.scope["method"], url, headers, body, t)
+                except TimeoutError:
+                    raise UpstreamTimeout(f"no response from the upstream within {limit} s ({upstream.label})") from None
+                if self.injected and response.status == 400:
+                    response = await self._unless_options_rejected(response, url, headers, original)
+                    if response is None:
+                        return
+                await self._respond(response, silence)
         except TimeoutError:
-            await self._fail(UpstreamTimeout(f"no response from the upstream within {app.settings.first_token_timeout} s ({app.upstream.label})"))
-            return
-        except Exception as exc:
-            await self._fail(map_transport_error(exc, app.upstream.label))
-            return
-        response = self.response
+            if self.sending:
+                t.outcome, t.error = "client_slow", "client_slow"
+                log.warning("cut a client that stopped reading for over %s s", app.settings.read_timeout)
+                return
+            await self._broken(UpstreamTimeout("the upstream sent no first token in time" if not t.content_ns else "the upstream went silent mid-stream"))
+        except TRANSPORT as exc:
+            await self._broken(map_transport_error(exc, upstream.label))
+
+    async def _broken(self, error: ProxyError) -> None:
+        """The upstream failed: a clean error if nothing was sent yet, else the stream breaks as it would directly."""
+        self.t.upstream_end_ns = now_ns()
+        if not self.started:
+            raise error
+        t = self.t
+        t.outcome, t.error = error.outcome, f"mid_stream:{error.code}"
+        log.warning("upstream stream ended early: %s", error)
+
+    async def _unless_options_rejected(self, response: httpcore.Response, url: bytes, headers: list[tuple[bytes, bytes]],
+                                       original: bytes) -> httpcore.Response | None:
+        """An upstream that rejects stream_options (older Azure api-versions) gets the client's own
+        request again, and is not asked again; any other 400 goes to the client as it came."""
+        app, t = self.app, self.t
+        raw = b""
+        async for part in response.aiter_stream():  # type: ignore[attr-defined]
+            raw += part
+            if len(raw) > ERROR_BODY_LIMIT:
+                break
+        if b"stream_options" not in raw or len(raw) > ERROR_BODY_LIMIT:
+            await self._start(response.status, _content_length(filter_headers(response.headers), raw))
+            await self.send({"type": "http.response.body", "body": raw, "more_body": len(raw) > ERROR_BODY_LIMIT})
+            if len(raw) > ERROR_BODY_LIMIT:
+                await self._stream(response, None, None)
+            t.status_code, t.outcome = response.status, "upstream_error"
+            t.upstream_end_ns = t.response_end_ns = now_ns()
+            return None
+        log.warning("the upstream %s rejects stream_options: requests go unchanged from now on", app.upstream.label)
+        app.upstream.rejects_stream_options = True
+        self.response = None
+        await app.upstream.release(response)
+        self.injected = False
+        t.reset_upstream()
+        headers = [(k, str(len(original)).encode() if k == b"content-length" else v) for k, v in headers]
+        response = self.response = await app.upstream.send(self.scope["method"], url, headers, original, t)
+        return response
+
+    async def _respond(self, response: httpcore.Response, silence: asyncio.Timeout) -> None:
+        t, settings = self.t, self.app.settings
         t.status_code = response.status
         if response.status >= 400:
             t.outcome = "upstream_error"
+        t.engine = from_tgi(response.headers) or t.engine
         out_headers = filter_headers(response.headers)
         content_type = _header(response.headers, b"content-type", b"")
         encoding = _header(response.headers, b"content-encoding", b"identity")
         is_sse = content_type.startswith(b"text/event-stream")
         json_ok = not is_sse and response.status < 400 and encoding in (b"identity", b"gzip", b"deflate")
-        self.strip = app.settings.strip_engine_fields and (is_sse or (json_ok and encoding == b"identity"))
+        self.strip = settings.strip_engine_fields and (is_sse or (json_ok and encoding == b"identity"))
         self.rewrite = is_sse and (self.injected or self.strip)
+        if json_ok:
+            self.json_body, self.body_encoding = [], encoding
         if is_sse:
             out_headers.append((b"x-accel-buffering", b"no"))
         elif self.strip:
@@ -176,35 +267,28 @@ class Exchange:
         length = _header(response.headers, b"content-length", None)
         if length is not None and not self.rewrite:
             out_headers.append((b"content-length", length))
-        if json_ok:
-            self.json_body, self.body_encoding = [], encoding
-        await self.send({"type": "http.response.start", "status": response.status, "headers": out_headers})
-        try:
-            await self._stream(response, SSEDecoder() if is_sse else None)
-        except (httpcore.TimeoutException, httpcore.NetworkError, httpcore.ProtocolError, TimeoutError) as exc:
-            error = UpstreamTimeout("the upstream went silent mid-stream") if isinstance(exc, TimeoutError) else map_transport_error(exc, app.upstream.label)
-            t.upstream_end_ns = now_ns()
-            t.outcome, t.error = error.outcome, f"mid_stream:{error.code}"
-            log.warning("upstream stream ended early: %s", error)
-            # Leave the response incomplete: the client sees the stream break, as it would directly.
-            return
+        await self._start(response.status, out_headers)
+        await self._stream(response, SSEDecoder() if is_sse else None, silence)
 
-    async def _stream(self, response: httpcore.Response, decoder: SSEDecoder | None) -> None:
+    async def _start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self.started = True
+        await self.send({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def _stream(self, response: httpcore.Response, decoder: SSEDecoder | None, silence: asyncio.Timeout | None) -> None:
         """The hot loop: timestamp, forward, then note what the bytes meant."""
         t, send, rewrite, json_body = self.t, self.send, self.rewrite, self.json_body
-        settings, loop = self.app.settings, asyncio.get_running_loop()
-        idle, kept = settings.read_timeout, 0
-        waited = (now_ns() - (t.issued_ns or t.received_ns)) / 1e9
-        async with asyncio.timeout(loop.time() + settings.first_token_timeout - waited) as silence:
-            async for chunk in response.aiter_stream():  # type: ignore[attr-defined]
-                now = now_ns()
-                if t.content_ns:  # after the first token the (shorter) inter-chunk limit applies
-                    silence.reschedule(loop.time() + idle)
-                if rewrite:
-                    out = b"".join([self._rewritten(event, now) for event in decoder.feed(chunk)])  # type: ignore[union-attr]
-                    if out:
-                        await send({"type": "http.response.body", "body": out, "more_body": True})
-                    continue
+        loop, idle = asyncio.get_running_loop(), self.app.settings.read_timeout
+        kept, decoding = 0, bool(t.content_ns)
+        async for chunk in response.aiter_stream():  # type: ignore[attr-defined]
+            now = now_ns()
+            if decoding and silence is not None:  # after the first token, the (shorter) inter-chunk limit
+                silence.reschedule(loop.time() + idle)
+            self.sending = True
+            if rewrite:
+                out = b"".join([self._rewritten(event, now) for event in decoder.feed(chunk)])  # type: ignore[union-attr]
+                if out:
+                    await send({"type": "http.response.body", "body": out, "more_body": True})
+            else:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 if decoder is not None:
                     for event in decoder.feed(chunk):
@@ -212,6 +296,10 @@ class Exchange:
                 elif json_body is not None and kept < NON_STREAM_BODY_LIMIT:
                     json_body.append(chunk)
                     kept += len(chunk)
+            self.sending = False
+            if not decoding and t.content_ns and silence is not None:
+                decoding = True
+                silence.reschedule(loop.time() + idle)
         t.upstream_end_ns = now = now_ns()
         if decoder is not None:
             for event in decoder.flush():
@@ -230,15 +318,20 @@ class Exchange:
             return None
         chunk = parse_chunk(data)
         t = self.t
-        if chunk.text:
+        for index, text in chunk.texts:
             t.content_ns.append(now)
-            t.chunk_text.append(chunk.text)
+            t.content_choice.append(index)
+            t.chunk_text.append(text)
+        if chunk.reasoning:
+            t.reasoning_streamed = True
         if chunk.model and not t.response_model:
             t.response_model = chunk.model
         if chunk.usage is not None:
-            self.usage = chunk.usage
+            self.ctx.usage = chunk.usage
         if chunk.timings is not None:
-            t.engine = from_llamacpp(chunk.timings)
+            t.engine = from_llamacpp(chunk.timings) or t.engine
+        if chunk.metrics is not None:
+            t.engine = from_vllm(chunk.metrics) or t.engine
         if not chunk.valid:
             t.malformed_chunks += 1
         return chunk
@@ -254,7 +347,7 @@ class Exchange:
             raw = strip_usage_null(event.raw)
         else:
             raw = event.raw
-        if self.strip and chunk.timings is not None and event.data is not None:
+        if self.strip and (chunk.timings is not None or chunk.metrics is not None) and event.data is not None:
             raw = raw.replace(event.data, without_engine_fields(event.data), 1)
         return raw
 
@@ -265,21 +358,25 @@ class Exchange:
         t.upstream_end_ns = now_ns()
         self.json_body = parts
         body = without_engine_fields(b"".join(parts))
-        out_headers.append((b"content-length", str(len(body)).encode()))
-        await self.send({"type": "http.response.start", "status": response.status, "headers": out_headers})
-        await self.send({"type": "http.response.body", "body": body, "more_body": False})
+        await self._start(response.status, _content_length(out_headers, body))
         t.response_end_ns = now_ns()
+        await self.send({"type": "http.response.body", "body": body, "more_body": False})
 
     async def _fail(self, error: ProxyError) -> None:
         t = self.t
-        t.outcome, t.status_code, t.error = error.outcome, error.status, error.code
+        t.outcome, t.status_code, t.error = error.outcome, error.status, error.code  # type: ignore[assignment]
         log.warning("%s", error)
+        if self.started or self.client_gone:
+            return
         body = error.body()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        await self.send({"type": "http.response.start", "status": error.status, "headers": headers})
-        await self.send({"type": "http.response.body", "body": body, "more_body": False})
+        await self._start(error.status, [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())])
         t.response_end_ns = now_ns()
+        await self.send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 def _header(headers: list[tuple[bytes, bytes]], name: bytes, default: Any) -> Any:
     return next((v for k, v in headers if k.lower() == name), default)
+
+
+def _content_length(headers: list[tuple[bytes, bytes]], body: bytes) -> list[tuple[bytes, bytes]]:
+    return [(k, v) for k, v in headers if k.lower() != b"content-length"] + [(b"content-length", str(len(body)).encode())]

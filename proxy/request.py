@@ -37,12 +37,20 @@ USAGE_OPTION = b'"stream_options":{"include_usage":true}'
 _LONG_NUMBER = re.compile(rb"\d{16,}")  # digits a double cannot hold: re-serialising would change them
 
 
+def client_asked_usage(parsed: dict[str, Any]) -> bool:
+    """The client asked for usage itself: any truthy `include_usage` (vLLM accepts 1, "true")."""
+    options = parsed.get("stream_options")
+    return isinstance(options, dict) and bool(options.get("include_usage"))
+
+
 def usage_injected_body(parsed: dict[str, Any], raw: bytes) -> bytes | None:
-    """The body with stream_options.include_usage set, or None when it is set or cannot be.
+    """The body with stream_options.include_usage set, or None when it is set or must not be.
 
     Without stream_options (the usual case) the option is spliced in after the opening brace and
     every other byte stays as the client wrote it. An existing stream_options object means
-    re-serialising, done only when no number would lose digits in the round trip.
+    re-serialising, done only when no number would lose digits in the round trip. A client that
+    asked for `continuous_usage_stats` without `include_usage` gets none: switching include_usage
+    on would put usage on every chunk it receives.
     """
     options = parsed.get("stream_options")
     if options is None:
@@ -51,7 +59,7 @@ def usage_injected_body(parsed: dict[str, Any], raw: bytes) -> bytes | None:
             return None
         rest = body[1:].lstrip()
         return b"{" + USAGE_OPTION + (b"" if rest[:1] == b"}" else b",") + body[1:]
-    if not isinstance(options, dict) or options.get("include_usage") is True or _LONG_NUMBER.search(raw):
+    if not isinstance(options, dict) or options.get("include_usage") or options.get("continuous_usage_stats") or _LONG_NUMBER.search(raw):
         return None
     try:
         return orjson.dumps({**parsed, "stream_options": {**options, "include_usage": True}})

@@ -1,36 +1,57 @@
 """The one boundary between a request and its telemetry.
 
-`start` and `finish` are the only calls the relay makes. Each telemetry component (tokenizer,
-metrics, tracing, records, log) runs inside `_guard`: a failure is logged once per component,
+The relay makes two calls: `start(ctx)` when the request goes upstream and `finish(ctx)` exactly
+once, from the relay's one `finally`, whatever the ending. `finish` completes the counts
+(usage, engine, tokenizer), computes the split once, and hands the context to each sink
+(metrics, spans, records, request log) inside `_guard`: a failure is logged once per component,
 counted in `llmproxy_telemetry_errors_total{component}`, and never reaches the client.
-`finish` runs exactly once per request, after the last byte was relayed.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
 import logging
-from concurrent.futures import Executor
 from contextlib import contextmanager
-from typing import Any, Iterator
+from dataclasses import dataclass
+from typing import Any, Iterator, Protocol
 
 import orjson
 
-from .chunk import read_usage
+from .chunk import BodyInfo, read_usage
 from .config import Settings
 from .metrics import ProxyMetrics
+from .offload import Offload
 from .timing import Breakdown, RequestTiming, split
 from .tokens import Tokenizer
 from .tracing import RequestSpans, Tracing
 
 log = logging.getLogger("llmproxy.telemetry")
-INLINE_TOKENIZE_BYTES = 16 * 1024  # about 4,000 tokens: well under a millisecond to count
 request_log = logging.getLogger("llmproxy.requests")
 
 
-def record_dict(t: RequestTiming, b: Breakdown) -> dict[str, Any]:
+@dataclass(slots=True)
+class RequestContext:
+    """What one request leaves behind for its telemetry; owned by the relay's Exchange."""
+
+    timing: RequestTiming
+    wall_offset_ns: int  # epoch ns - monotonic ns, for span timestamps
+    spans: RequestSpans | None = None
+    request: dict[str, Any] | None = None  # the parsed request body, for the tokenizer; dropped at finish
+    request_size: int = 0
+    prompt_count: tuple[int, int, float] | None = None  # counted already (a big body, in the worker)
+    usage: dict[str, Any] | None = None  # the stream's usage object
+    body: BodyInfo | None = None  # what a non-streaming JSON response said
+    finished: bool = False
+
+    @property
+    def trace_id(self) -> str | None:
+        return self.spans.trace_id if self.spans is not None else None
+
+
+def record_dict(ctx: RequestContext, b: Breakdown) -> dict[str, Any]:
     """The stored per-request record: timings and counts, never text or credentials."""
-    return {
+    t = ctx.timing
+    record = {
         "endpoint": t.endpoint,
         "model": t.model,
         "response_model": t.response_model,
@@ -42,8 +63,11 @@ def record_dict(t: RequestTiming, b: Breakdown) -> dict[str, Any]:
         "ttft_s": b.ttft_s,
         "decode_s": b.decode_s,
         "decode_tokens_per_second": b.decode_tokens_per_second,
+        "choice_decode_tokens_per_second": b.choice_decode_tps,
+        "choices": b.choices,
         "prefill_tokens_per_second": b.prefill_tokens_per_second,
         "phases_s": b.phases,
+        "reasoning_estimated": "reasoning" in b.phases,
         "proxy_before_after_s": [b.proxy_before_s, b.proxy_after_s],
         "dominant_phase": b.dominant,
         "connect_s": b.connect,
@@ -51,7 +75,11 @@ def record_dict(t: RequestTiming, b: Breakdown) -> dict[str, Any]:
         "rtt_s": t.rtt_s,
         "reused_connection": t.reused,
         "prompt_tokens": t.prompt_tokens,
+        "cached_prompt_tokens": t.cached_prompt_tokens,
+        "prompt_uncounted_parts": t.prompt_uncounted_parts,
         "completion_tokens": t.completion_tokens,
+        "reasoning_tokens": t.reasoning_tokens,
+        "hidden_reasoning_tokens": t.hidden_reasoning_tokens,
         "token_source": t.token_source,
         "tokenize_prompt_s": t.tokenize_prompt_s,
         "content_chunks": len(t.content_ns),
@@ -59,6 +87,9 @@ def record_dict(t: RequestTiming, b: Breakdown) -> dict[str, Any]:
         "inter_token_p50_s": _median(b.inter_token_s),
         "engine": t.engine.as_dict() if t.engine is not None else None,
     }
+    if ctx.trace_id:
+        record["trace_id"] = ctx.trace_id
+    return record
 
 
 def _median(values: list[float]) -> float | None:
@@ -68,18 +99,67 @@ def _median(values: list[float]) -> float | None:
     return ordered[len(ordered) // 2]
 
 
+class Sink(Protocol):
+    """One exporter of finished requests. `b` is None when the split itself failed."""
+
+    name: str
+
+    def export(self, ctx: RequestContext, b: Breakdown | None) -> None: ...
+
+
+class MetricsSink:
+    name = "metrics"
+
+    def __init__(self, metrics: ProxyMetrics, upstream: str) -> None:
+        self.metrics, self.upstream = metrics, upstream
+
+    def export(self, ctx: RequestContext, b: Breakdown | None) -> None:
+        self.metrics.observe(ctx.timing, b, self.upstream, ctx.trace_id)
+
+
+class SpansSink:
+    name = "tracing"
+
+    def __init__(self, tracing: Tracing) -> None:
+        self.tracing = tracing
+
+    def export(self, ctx: RequestContext, b: Breakdown | None) -> None:
+        if ctx.spans is not None:
+            self.tracing.finish(ctx.spans, ctx.timing, b, ctx.wall_offset_ns)
+
+
+class RecordsSink:
+    name = "records"
+
+    def __init__(self, size: int, log_requests: bool) -> None:
+        self.records: collections.deque[dict[str, Any]] = collections.deque(maxlen=max(1, size))
+        self.log_requests = log_requests
+
+    def export(self, ctx: RequestContext, b: Breakdown | None) -> None:
+        if b is None:
+            return
+        record = record_dict(ctx, b)
+        self.records.append(record)
+        if self.log_requests:
+            request_log.info(orjson.dumps(record).decode())
+
+
 class Telemetry:
-    def __init__(self, settings: Settings, metrics: ProxyMetrics, tracing: Tracing, tokenizer: Tokenizer | None, executor: Executor) -> None:
+    def __init__(self, settings: Settings, metrics: ProxyMetrics, tracing: Tracing, tokenizer: Tokenizer | None, offload: Offload) -> None:
         self.settings = settings
         self.metrics = metrics
         self.tracing = tracing
         self.tokenizer = tokenizer
-        self.executor = executor
+        self.offload = offload
         self.upstream = settings.upstream_label
-        self.records: collections.deque[dict[str, Any]] = collections.deque(maxlen=max(1, settings.records))
+        self.records_sink = RecordsSink(settings.records, settings.log_requests)
+        self.sinks: tuple[Sink, ...] = (MetricsSink(metrics, self.upstream), SpansSink(tracing), self.records_sink)
         self.in_flight = metrics.in_flight(self.upstream)
         self._logged: set[str] = set()
-        self._pending: dict[int, tuple[dict[str, Any], int]] = {}  # request body and size, to tokenize at finish
+
+    @property
+    def records(self) -> collections.deque[dict[str, Any]]:
+        return self.records_sink.records
 
     def count_error(self, component: str) -> None:
         try:
@@ -97,105 +177,102 @@ class Telemetry:
                 self._logged.add(component)
                 log.exception("telemetry component %r failed (logged once, counted always)", component)
 
-    def start(self, t: RequestTiming, headers: list[tuple[bytes, bytes]], body: dict[str, Any] | None, wall_offset: int,
-              size: int = 0) -> RequestSpans | None:
-        """At request start: the in-flight gauge and the two early spans. Tokenization waits for finish."""
-        spans = None
+    def start(self, ctx: RequestContext, headers: list[tuple[bytes, bytes]]) -> None:
+        """As the request goes upstream: the in-flight gauge and the two spans whose ids must exist early."""
+        t = ctx.timing
         with self._guard("metrics"):
             self.in_flight.inc()
             t.in_flight = True
         if self.tracing.enabled:
             with self._guard("tracing"):
                 carrier = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers if k in (b"traceparent", b"tracestate")}
-                spans = self.tracing.start(carrier, t, t.received_ns + wall_offset)
-        if body is not None and self.settings.capture_content:
+                ctx.spans = self.tracing.start(carrier, t, t.received_ns + ctx.wall_offset_ns)
+        if ctx.request is not None and self.settings.capture_content:
             with self._guard("tracing"):
+                body = ctx.request
                 t.captured_input = orjson.dumps(body.get("messages") or body.get("prompt") or body.get("input")).decode()
-        if body is not None and self.tokenizer is not None and t.endpoint != "other":
-            self._pending[id(t)] = (body, size)
-        return spans
 
-    async def finish(
-        self,
-        t: RequestTiming,
-        spans: RequestSpans | None,
-        wall_offset: int,
-        usage: dict[str, Any] | None = None,
-        body: Any = None,
-    ) -> None:
-        if t.finalized:
+    async def finish(self, ctx: RequestContext) -> None:
+        """Exactly once per request. The gauge drops first, synchronously, whatever happens next."""
+        if ctx.finished:
             return
-        t.finalized = True
+        ctx.finished = True
+        t = ctx.timing
         if t.in_flight:
+            t.in_flight = False
             with self._guard("metrics"):
                 self.in_flight.dec()
-        text = ""
-        if body is not None:  # a non-streaming JSON response (relay.BodyInfo)
-            usage, text = usage or body.usage, body.text
+        try:
+            self._counts(ctx)
+            try:
+                await self._count_tokens(ctx)
+            except asyncio.CancelledError:  # shut down mid-count: export what is known, then stop
+                self._export(ctx)
+                raise
+            self._export(ctx)
+        finally:
+            ctx.request = None
+            t.chunk_text.clear()  # generated text never outlives the request
+            t.captured_input = t.captured_output = ""
+
+    def _counts(self, ctx: RequestContext) -> None:
+        t, usage, body = ctx.timing, ctx.usage, ctx.body
+        if body is not None:
+            usage = usage or body.usage
             t.response_model = t.response_model or body.model
-        t.prompt_tokens, t.completion_tokens = read_usage(usage)
+        counts = read_usage(usage)
+        t.prompt_tokens, t.completion_tokens = counts.prompt, counts.completion
+        t.cached_prompt_tokens, t.reasoning_tokens = counts.cached_prompt, counts.reasoning
         t.token_source = "usage" if usage else "tokenizer"
         engine = t.engine
-        if not usage and engine is not None and engine.prompt_tokens is not None and engine.predicted_tokens is not None:
-            t.prompt_tokens, t.completion_tokens, t.token_source = engine.prompt_tokens, engine.predicted_tokens, "engine"
-        await self._count_tokens(t, text)
-        try:
+        if engine is not None:
+            if not usage and engine.prompt_tokens is not None and engine.predicted_tokens is not None:
+                t.prompt_tokens, t.completion_tokens, t.token_source = engine.prompt_tokens, engine.predicted_tokens, "engine"
+            if t.cached_prompt_tokens is None and engine.cached_tokens is not None:
+                t.cached_prompt_tokens = engine.cached_tokens
+                if engine.source == "llama.cpp" and engine.prompt_tokens is not None and t.token_source == "engine":
+                    t.prompt_tokens = engine.prompt_tokens + engine.cached_tokens  # llama.cpp's prompt_n is the uncached part
+
+    def _export(self, ctx: RequestContext) -> None:
+        t = ctx.timing
+        b: Breakdown | None = None
+        with self._guard("timing"):
             b = split(t)
-        except Exception:
-            self.count_error("timing")
-            log.exception("could not compute the phase split")
-            return
-        if self.settings.capture_content:
-            t.captured_output = "".join(t.chunk_text) or text
-        trace_id = spans.trace_id if spans is not None else None
-        with self._guard("metrics"):
-            self.metrics.observe(t, b, self.upstream, trace_id)
-        if spans is not None:
-            await asyncio.sleep(0)  # let other streams' chunks through between the heavier steps
-            with self._guard("tracing"):
-                self.tracing.finish(spans, t, b, wall_offset)
-        with self._guard("records"):
-            record = record_dict(t, b)
-            if trace_id:
-                record["trace_id"] = trace_id
-            self.records.append(record)
-            if self.settings.log_requests:
-                request_log.info(orjson.dumps(record).decode())
-        t.chunk_text.clear()  # generated text never outlives the request
-        t.captured_input = t.captured_output = ""
+        if b is not None and self.settings.capture_content:
+            t.captured_output = "".join(t.chunk_text) or (ctx.body.text if ctx.body else "")
+        for sink in self.sinks:
+            with self._guard(sink.name):
+                sink.export(ctx, b)
 
-    async def _off_loop(self, size: int, fn: Any, *args: Any) -> Any:
-        """Small inputs run inline (cheaper than a thread hop); large ones in the pool, so a long
-        tokenization never stalls other streams on the event loop."""
-        if size <= INLINE_TOKENIZE_BYTES:
-            return fn(*args)
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
-
-    async def _count_tokens(self, t: RequestTiming, text: str) -> None:
-        """Prompt tokens (always timed: the tokenize phase), then completion tokens if needed.
+    async def _count_tokens(self, ctx: RequestContext) -> None:
+        """Prompt tokens (always timed: the tokenize phase), then completion tokens per chunk if needed.
 
         This runs after the response was relayed, so tokenization never delays a request; the
-        tokenize phase is the measured duration, which the server pays before its prefill.
+        tokenize phase is the tokenizer's CPU time, which stands for the server's own tokenization.
         """
-        pending = self._pending.pop(id(t), None)
+        t = ctx.timing
         if self.tokenizer is None:
             return
-        if pending is not None:
-            body, size = pending
+        counted = ctx.prompt_count
+        if counted is None and ctx.request is not None and t.endpoint != "other":
             with self._guard("tokenizer"):
-                count, seconds = await self._off_loop(size, self.tokenizer.timed_prompt_count, t.endpoint, body)
-                t.tokenize_prompt_s = seconds
-                if t.prompt_tokens is None:
-                    t.prompt_tokens = count
+                counted = await self.offload.thread(ctx.request_size, self.tokenizer.timed_prompt_count, t.endpoint, ctx.request)
+        if counted is not None:
+            count, uncounted, seconds = counted
+            t.tokenize_prompt_s, t.prompt_uncounted_parts = seconds, uncounted
+            if t.prompt_tokens is None:
+                t.prompt_tokens = count
+        text = ctx.body.text if ctx.body is not None else ""
         texts = t.chunk_text if t.chunk_text else ([text] if text else [])
-        known = t.completion_tokens
-        if not texts or (known is not None and (known == len(t.content_ns) or not t.content_ns)):
+        visible = t.visible_tokens
+        if not texts or (visible is not None and (visible == len(t.content_ns) or not t.content_ns)):
             return  # counts known, and one token per chunk (or no chunks to divide): nothing to count
         with self._guard("tokenizer"):
-            size = sum(map(len, texts))
-            counts, seconds = await self._off_loop(size, self.tokenizer.timed_chunk_counts, t.model, texts)
+            counts, seconds = await self.offload.thread(sum(map(len, texts)), self.tokenizer.timed_chunk_counts, t.model, texts)
             t.tokenize_completion_s = seconds
+            total = sum(counts)
             if t.content_ns:
-                t.chunk_tokens = counts
-            if known is None:
-                t.completion_tokens = sum(counts)
+                scale = visible / total if visible is not None and total else 1.0
+                t.chunk_tokens = [count * scale for count in counts]  # usage's total, shared by the tokenizer's counts
+            if t.completion_tokens is None:
+                t.completion_tokens = total

@@ -1,37 +1,45 @@
 """The per-request timing record and the phase split computed from it.
 
 Instants are monotonic integer nanoseconds (`*_ns`, from `time.monotonic_ns`); durations are float
-seconds (`*_s`). The relay only stores instants and counts; `finalize()` turns them into durations
+seconds (`*_s`). The relay only stores instants and counts; `split()` turns them into durations
 exactly once, when the request ends, whatever the ending. Definitions (the README quotes them):
 
-- ttft = first content chunk - request received by the proxy.
-- decode = last content chunk - first content chunk;
-  decode_tokens_per_second = (completion_tokens - 1) / decode, only when completion_tokens >= 2
-  and decode > 0.
-- inter_token_latency = gap between consecutive content chunks / tokens in the later chunk.
+- ttft = first content chunk of any choice - request received by the proxy.
+- Each choice (`choices[].index`) is its own sequence. Per choice: decode tokens = the tokens in
+  its content chunks after its first one; decode tok/s = those tokens / (its last content chunk -
+  its first); inter-token latency = gap between its consecutive content chunks / tokens in the
+  later chunk. The request's decode tok/s is the mean over its choices. Hidden reasoning tokens
+  (reported in usage, never streamed) are not in any chunk, so never in decode.
 - phases, which sum to the end-to-end duration:
-  proxy    = (upstream request issued - received) + (response finished - upstream stream ended)
-  network  = pool wait + DNS + TCP + TLS + one RTT
-  tokenize = the measured prompt tokenization (the server pays it too, before prefill)
-  prefill  = ttft - proxy(before upstream) - network - tokenize  (the server's queue + prefill)
-  decode   = upstream stream ended - first content chunk (decode plus the closing chunks)
+  client    = request received -> request body fully read (the client's upload)
+  proxy     = (body read -> upstream request issued) + (upstream stream ended -> last byte relayed)
+  network   = pool wait + DNS + TCP + TLS + request upload + one RTT
+  tokenize  = the proxy's tokenizer CPU time for this prompt, standing for the server's own
+  reasoning = hidden reasoning tokens / the request's own decode rate (an estimate)
+  prefill   = ttft - all of the above (the server's queue + prefill)
+  decode    = upstream stream ended - first content chunk (decode plus the closing chunks)
   Non-streaming responses have no first chunk: their server time is the phase `server`.
-  network and tokenize are capped so that prefill is never negative and the sum stays exact.
-  When the engine reports its own timings (llama.cpp), `prefill` becomes the engine's prompt
+  network, tokenize and reasoning are capped so that prefill is never negative and the sum stays
+  exact. When the engine reports its own timings, `prefill` becomes the engine's prompt
   processing time and the rest of it `queue`; `server` splits into queue, prefill and decode.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 from .engine import EngineTimings, refine
 
 now_ns = time.monotonic_ns
 
 NS = 1_000_000_000
-OUTCOMES = ("ok", "upstream_error", "client_disconnect", "timeout", "proxy_error")
-PHASES = ("proxy", "network", "tokenize", "queue", "prefill", "decode", "server")
+Outcome = Literal["ok", "upstream_error", "client_disconnect", "client_slow", "timeout", "proxy_error"]
+Endpoint = Literal["chat", "completions", "embeddings", "other"]
+Phase = Literal["client", "proxy", "network", "tokenize", "queue", "reasoning", "prefill", "decode", "server"]
+TokenSource = Literal["usage", "engine", "tokenizer"]
+OUTCOMES: tuple[Outcome, ...] = ("ok", "upstream_error", "client_disconnect", "client_slow", "timeout", "proxy_error")
+PHASES: tuple[Phase, ...] = ("client", "proxy", "network", "tokenize", "queue", "reasoning", "prefill", "decode", "server")
 
 
 def _s(start_ns: int | None, end_ns: int | None) -> float | None:
@@ -42,12 +50,13 @@ def _s(start_ns: int | None, end_ns: int | None) -> float | None:
 
 @dataclass(slots=True)
 class RequestTiming:
-    """Everything measured about one request. Filled by the relay, read once by finalize()."""
+    """Everything measured about one request. Filled by the relay, read once by split()."""
 
     received_ns: int
-    endpoint: str = "other"
+    endpoint: Endpoint = "other"
     model: str = "unknown"
     stream: bool = False
+    body_end_ns: int | None = None  # the client's request body fully read
     # upstream exchange (httpcore trace events and our DNS step)
     issued_ns: int | None = None
     first_event_ns: int | None = None
@@ -57,30 +66,36 @@ class RequestTiming:
     tcp_end_ns: int | None = None
     tls_start_ns: int | None = None
     tls_end_ns: int | None = None
+    send_start_ns: int | None = None  # request headers start going out
+    sent_ns: int | None = None  # request body sent (the upload is network time)
     headers_ns: int | None = None
     rtt_s: float | None = None  # kernel smoothed RTT of the connection used (TCP_INFO)
-    # body
-    content_ns: list[int] = field(default_factory=list)  # one instant per content chunk
+    # body: one entry per (content chunk, choice with text in it)
+    content_ns: list[int] = field(default_factory=list)
+    content_choice: list[int] = field(default_factory=list)
     chunk_text: list[str] = field(default_factory=list)  # kept in memory only, for token counts
+    reasoning_streamed: bool = False  # visible reasoning deltas were streamed
     upstream_end_ns: int | None = None
     response_end_ns: int | None = None
     # tokens
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
-    token_source: str = "usage"
+    cached_prompt_tokens: int | None = None
+    reasoning_tokens: int | None = None  # as usage reports them (part of completion_tokens)
+    prompt_uncounted_parts: int = 0  # prompt parts the tokenizer cannot count (images, audio, files)
+    token_source: TokenSource = "usage"
     tokenize_prompt_s: float | None = None
     tokenize_completion_s: float | None = None
-    chunk_tokens: list[int] | None = None  # tokens per content chunk, filled at finalize
+    chunk_tokens: list[float] | None = None  # tokens per content entry, filled at finish (None: 1 each)
     # result
     status_code: int = 0
-    outcome: str = "ok"
+    outcome: Outcome = "ok"
     error: str = ""
     response_model: str = ""
     malformed_chunks: int = 0
     engine: EngineTimings | None = None  # the upstream engine's own timings, when it reports them
     captured_input: str = ""  # prompt text, only with --capture-content (spans only)
     captured_output: str = ""  # completion text, only with --capture-content (spans only)
-    finalized: bool = False
     in_flight: bool = False  # counted in llmproxy_requests_in_flight (refused requests never are)
 
     @property
@@ -89,6 +104,24 @@ class RequestTiming:
         if self.first_event_ns is None:
             return None
         return self.tcp_start_ns is None
+
+    def reset_upstream(self) -> None:
+        """Forget a first upstream attempt (the proxy retries once without stream_options)."""
+        self.issued_ns = self.first_event_ns = self.headers_ns = self.send_start_ns = self.sent_ns = None
+        self.dns_start_ns = self.dns_end_ns = self.tcp_start_ns = self.tcp_end_ns = self.tls_start_ns = self.tls_end_ns = None
+        self.rtt_s = None
+
+    @property
+    def hidden_reasoning_tokens(self) -> int:
+        """Reasoning tokens usage reports that the stream never showed (o-series, gpt-5)."""
+        return 0 if self.reasoning_streamed or not self.reasoning_tokens else self.reasoning_tokens
+
+    @property
+    def visible_tokens(self) -> int | None:
+        """Completion tokens that were streamed (usage's count minus hidden reasoning)."""
+        if self.completion_tokens is None:
+            return None
+        return max(0, self.completion_tokens - self.hidden_reasoning_tokens)
 
 
 @dataclass(slots=True)
@@ -105,12 +138,27 @@ class Breakdown:
     pool_wait_s: float | None
     inter_chunk_s: list[float]
     inter_token_s: list[float]
+    choice_decode_tps: list[float] = field(default_factory=list)  # per choice with a decode window
+    choices: int = 0  # choices that streamed content
     proxy_before_s: float = 0.0  # the proxy phase, split: before the upstream request was issued
     proxy_after_s: float = 0.0  # and after the upstream stream ended
 
     @property
     def dominant(self) -> str:
         return max(self.phases, key=self.phases.__getitem__) if self.phases else "none"
+
+
+def _sequences(t: RequestTiming) -> dict[int, tuple[list[int], list[float]]]:
+    """Content instants and token counts per choice."""
+    tokens = t.chunk_tokens if t.chunk_tokens is not None and len(t.chunk_tokens) == len(t.content_ns) else [1.0] * len(t.content_ns)
+    if not t.content_choice or len(set(t.content_choice)) == 1:
+        return {t.content_choice[0] if t.content_choice else 0: (t.content_ns, tokens)}
+    seqs: dict[int, tuple[list[int], list[float]]] = {}
+    for instant, choice, count in zip(t.content_ns, t.content_choice, tokens):
+        instants, counts = seqs.setdefault(choice, ([], []))
+        instants.append(instant)
+        counts.append(count)
+    return seqs
 
 
 def split(t: RequestTiming) -> Breakdown:
@@ -128,39 +176,57 @@ def split(t: RequestTiming) -> Breakdown:
             connect[name] = value
     pool_wait = _s(t.issued_ns, t.first_event_ns)
     rtt = t.rtt_s if t.rtt_s is not None else (tcp or 0.0)
-    network = (pool_wait or 0.0) + sum(connect.values()) + (rtt if t.headers_ns is not None else 0.0)
+    upload = _s(t.send_start_ns, t.sent_ns) or 0.0
+    network = (pool_wait or 0.0) + sum(connect.values()) + upload + (rtt if t.headers_ns is not None else 0.0)
 
+    gaps: list[float] = []
+    itl: list[float] = []
+    rates: list[float] = []
+    sequences = _sequences(t) if t.content_ns else {}
+    for instants, counts in sequences.values():
+        seq_gaps = [(b - a) / NS for a, b in zip(instants, instants[1:])]
+        gaps += seq_gaps
+        itl += [gap / n if n > 0 else gap for gap, n in zip(seq_gaps, counts[1:])]
+        window = (instants[-1] - instants[0]) / NS
+        after = sum(counts[1:])
+        if window > 0 and after > 0:
+            rates.append(after / window)
     first = t.content_ns[0] if t.content_ns else None
-    last = t.content_ns[-1] if t.content_ns else None
+    last = max(t.content_ns) if t.content_ns else None
     ttft = _s(t.received_ns, first)
     decode = _s(first, last)
+    decode_tps = sum(rates) / len(rates) if rates else None
 
-    tokens = t.completion_tokens
-    decode_tps = (tokens - 1) / decode if tokens is not None and tokens >= 2 and decode else None
-
-    gaps = [(b - a) / NS for a, b in zip(t.content_ns, t.content_ns[1:])]
-    per_chunk = t.chunk_tokens or [1] * len(t.content_ns)
-    itl = [gap / max(1, n) for gap, n in zip(gaps, per_chunk[1:])]
-
-    proxy_before = _s(t.received_ns, t.issued_ns) or 0.0
+    body_end = t.body_end_ns if t.body_end_ns is not None else t.received_ns
+    client = _s(t.received_ns, body_end) or 0.0
+    proxy_before = _s(body_end, t.issued_ns) or 0.0
     upstream_end = t.upstream_end_ns if t.upstream_end_ns is not None else end_ns
-    proxy_after = max(0, end_ns - upstream_end) / NS
-    phases = {"proxy": proxy_before + proxy_after}
+    proxy_after = max(0, end_ns - max(upstream_end, body_end)) / NS
+    phases = {"client": client, "proxy": proxy_before + proxy_after}
     tokenize = t.tokenize_prompt_s or 0.0
-    if ttft is not None and first is not None:
-        budget = max(0.0, ttft - proxy_before)
+    if t.issued_ns is None:  # refused or failed before anything went upstream: the proxy's own time
+        phases["proxy"] = max(0.0, e2e - client)
+    elif ttft is not None and first is not None:
+        budget = max(0.0, ttft - client - proxy_before)
         network = min(network, budget)
         tokenize = min(tokenize, budget - network)
-        phases.update(network=network, tokenize=tokenize, prefill=budget - network - tokenize)
+        rest = budget - network - tokenize
+        phases.update(network=network, tokenize=tokenize)
+        hidden = t.hidden_reasoning_tokens
+        if hidden and decode_tps:
+            phases["reasoning"] = min(rest, hidden / decode_tps)
+            rest -= phases["reasoning"]
+        phases["prefill"] = rest
         phases["decode"] = max(0, upstream_end - first) / NS
     else:
-        budget = max(0.0, e2e - phases["proxy"])
+        budget = max(0.0, e2e - client - phases["proxy"])
         network = min(network, budget)
         tokenize = min(tokenize, budget - network)
         phases.update(network=network, tokenize=tokenize, server=budget - network - tokenize)
     phases = refine(phases, t.engine)
     prefill_s = phases.get("prefill")
-    prefill_tps = t.prompt_tokens / prefill_s if t.prompt_tokens and prefill_s else None
+    uncached = t.prompt_tokens - (t.cached_prompt_tokens or 0) if t.prompt_tokens else None
+    prefill_tps = uncached / prefill_s if uncached and uncached > 0 and prefill_s else None
     return Breakdown(
         e2e_s=e2e,
         ttft_s=ttft,
@@ -172,6 +238,8 @@ def split(t: RequestTiming) -> Breakdown:
         pool_wait_s=pool_wait,
         inter_chunk_s=gaps,
         inter_token_s=itl,
+        choice_decode_tps=rates,
+        choices=len(sequences),
         proxy_before_s=proxy_before,
         proxy_after_s=proxy_after,
     )

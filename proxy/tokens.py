@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import orjson
 import tiktoken
 from tiktoken.model import encoding_name_for_model
 
@@ -114,38 +115,79 @@ class Tokenizer:
             return self._count_messages(enc, body.get("messages") or [])
         return _count_input(enc, body.get("prompt") if endpoint == "completions" else body.get("input"))
 
-    @staticmethod
-    def _count_messages(enc: tiktoken.Encoding, messages: list[Any]) -> int:
+    def count_request(self, endpoint: str, body: dict[str, Any]) -> tuple[int, int]:
+        """(prompt tokens, parts not counted) of a chat, completions or embeddings request body.
+
+        Chat: OpenAI's token-counting guide (3 per message, 1 per name, 3 to prime the reply); text
+        content parts counted, image/audio/file parts not (their count depends on pixels or
+        seconds the proxy does not decode) and reported as uncounted; assistant `tool_calls` and
+        legacy `function_call` count their name and arguments; `tools` / `functions` count their
+        JSON text, an approximation (OpenAI injects them in an unpublished format).
+        """
+        model = str(body.get("model") or "")
+        enc = self.encoding(model)
+        if endpoint != "chat":
+            return _count_input(enc, body.get("prompt") if endpoint == "completions" else body.get("input")), 0
+        counter = _Counter(enc)
         total = REPLY_PRIMING
-        for message in messages:
+        for message in body.get("messages") or []:
             if not isinstance(message, dict):
                 continue
             total += TOKENS_PER_MESSAGE
             for key, value in message.items():
-                total += _count_value(enc, value)
+                total += counter.value(value)
                 if key == "name":
                     total += TOKENS_PER_NAME
-        return total
+        for key in ("tools", "functions"):
+            if isinstance(body.get(key), list) and body[key]:
+                total += len(enc.encode_ordinary(orjson.dumps(body[key]).decode()))
+        return total, counter.uncounted
 
-    def timed_prompt_count(self, endpoint: str, body: dict[str, Any]) -> tuple[int, float]:
-        """(tokens, seconds spent): the tokenize phase is this duration."""
-        start = time.perf_counter_ns()
-        count = self.count_prompt(endpoint, body)
-        return count, (time.perf_counter_ns() - start) / 1e9
+    def count_prompt(self, endpoint: str, body: dict[str, Any]) -> int:
+        return self.count_request(endpoint, body)[0]
+
+    def timed_prompt_count(self, endpoint: str, body: dict[str, Any]) -> tuple[int, int, float]:
+        """(tokens, uncounted parts, seconds): the tokenize phase is this thread's CPU time, so
+        waiting for the GIL in a thread pool is not counted as tokenizer time."""
+        start = time.thread_time_ns()
+        count, uncounted = self.count_request(endpoint, body)
+        return count, uncounted, (time.thread_time_ns() - start) / 1e9
 
     def timed_chunk_counts(self, model: str, texts: list[str]) -> tuple[list[int], float]:
-        start = time.perf_counter_ns()
+        start = time.thread_time_ns()
         enc = self.encoding(model)
         counts = [len(enc.encode_ordinary(text)) for text in texts]  # (the batch API starts a thread pool per call)
-        return counts, (time.perf_counter_ns() - start) / 1e9
+        return counts, (time.thread_time_ns() - start) / 1e9
 
 
-def _count_value(enc: tiktoken.Encoding, value: Any) -> int:
-    if isinstance(value, str):
-        return len(enc.encode_ordinary(value))
-    if isinstance(value, list):  # content parts: count the text ones
-        return sum(_count_value(enc, part.get("text")) for part in value if isinstance(part, dict))
-    return 0
+TEXT_PARTS = ("text", "input_text", "output_text", "refusal")
+
+
+class _Counter:
+    """Counts message values: strings, content parts, tool calls; notes parts it cannot count."""
+
+    def __init__(self, enc: tiktoken.Encoding) -> None:
+        self.enc = enc
+        self.uncounted = 0
+
+    def value(self, value: Any) -> int:
+        if isinstance(value, str):
+            return len(self.enc.encode_ordinary(value))
+        if isinstance(value, list):
+            return sum(self.part(part) for part in value if isinstance(part, dict))
+        if isinstance(value, dict):  # legacy function_call {name, arguments}
+            return self.value(value.get("name")) + self.value(value.get("arguments"))
+        return 0
+
+    def part(self, part: dict[str, Any]) -> int:
+        kind = part.get("type")
+        if kind in TEXT_PARTS or (kind is None and "text" in part):
+            return self.value(part.get("text") if "text" in part else part.get("refusal"))
+        if kind == "function" or "function" in part:  # an assistant tool call
+            fn = part.get("function")
+            return self.value(fn) if isinstance(fn, dict) else 0
+        self.uncounted += 1  # image_url, input_audio, file, ...
+        return 0
 
 
 def _count_input(enc: tiktoken.Encoding, prompt: Any) -> int:

@@ -99,20 +99,28 @@ class Tracing:
         upstream = self.tracer.start_span("upstream.request", context=ctx, kind=SpanKind.CLIENT, start_time=wall_ns)
         return RequestSpans(server, upstream)
 
-    def finish(self, spans: RequestSpans, t: RequestTiming, b: Breakdown, offset_ns: int) -> None:
-        """Attributes and child spans from the record; ends both open spans."""
-        tracer = self.tracer
+    def finish(self, spans: RequestSpans, t: RequestTiming, b: Breakdown | None, offset_ns: int) -> None:
+        """Attributes and child spans from the record; ends both open spans (also when the split failed)."""
         wall = lambda ns: ns + offset_ns  # noqa: E731 - monotonic instant to epoch ns
         end_ns = t.response_end_ns or t.received_ns
         server, upstream = spans.server, spans.upstream
-        server.update_name(f"{OPERATIONS[t.endpoint]} {t.model}")
-        server.set_attributes(self._attributes(t, b))
-        if t.outcome != "ok":
-            server.set_status(Status(StatusCode.ERROR, t.outcome))
-            server.set_attribute("error.type", t.error or t.outcome)
-        server_ctx = trace.set_span_in_context(server)
-        up_ctx = trace.set_span_in_context(upstream)
-        upstream.set_attributes({"server.address": self.host, "server.port": self.port, "http.response.status_code": t.status_code})
+        try:
+            server.update_name(f"{OPERATIONS[t.endpoint]} {t.model}")
+            if t.outcome != "ok":
+                server.set_status(Status(StatusCode.ERROR, t.outcome))
+                server.set_attribute("error.type", t.error or t.outcome)
+            upstream.set_attributes({"server.address": self.host, "server.port": self.port, "http.response.status_code": t.status_code})
+            if b is not None:
+                server.set_attributes(self._attributes(t, b))
+                self._children(spans, t, b, wall)
+        finally:
+            upstream.end(end_time=wall(t.upstream_end_ns or end_ns))
+            server.end(end_time=wall(end_ns))
+
+    def _children(self, spans: RequestSpans, t: RequestTiming, b: Breakdown, wall: Callable[[int], int]) -> None:
+        tracer = self.tracer
+        server_ctx = trace.set_span_in_context(spans.server)
+        up_ctx = trace.set_span_in_context(spans.upstream)
         if t.tcp_start_ns is not None:
             connect_start = t.dns_start_ns or t.tcp_start_ns
             connect_end = t.tls_end_ns or t.tcp_end_ns or connect_start
@@ -123,40 +131,50 @@ class Tracing:
                 if start is not None and end is not None:
                     tracer.start_span(name, context=conn_ctx, start_time=wall(start)).end(end_time=wall(end))
             conn.end(end_time=wall(connect_end))
-        if t.tokenize_prompt_s is not None:
-            start = t.issued_ns or t.received_ns
-            span = tracer.start_span("tokenize", context=server_ctx, start_time=wall(start))
-            span.set_attribute("gen_ai.usage.input_tokens", t.prompt_tokens or 0)
-            span.end(end_time=wall(start + int(t.tokenize_prompt_s * 1e9)))
+        # Server-side steps, laid back to back where they happen: ending at the first token
+        # (streaming) or starting when the request was sent (non-streaming).
+        order = ("tokenize", "queue", "reasoning", "prefill") if t.content_ns else ("tokenize", "queue", "prefill", "decode", "server")
+        if t.content_ns:
+            at = t.content_ns[0] - sum(int(b.phases.get(name, 0.0) * 1e9) for name in order)
+        else:
+            at = t.sent_ns or t.headers_ns or t.issued_ns or t.received_ns
+        for name in order:
+            if name not in b.phases or (name == "tokenize" and t.tokenize_prompt_s is None):
+                continue
+            end = at + int(b.phases[name] * 1e9)
+            span = tracer.start_span(name, context=server_ctx, start_time=wall(at))
+            if name == "tokenize":
+                span.set_attributes({"gen_ai.usage.input_tokens": t.prompt_tokens or 0, "llmproxy.estimate": True,
+                                     "llmproxy.description": "the proxy's tokenizer CPU time for this prompt, standing for the server's own tokenization"})
+            elif name == "reasoning":
+                span.set_attributes({"llmproxy.estimate": True, "llmproxy.reasoning.hidden_tokens": t.hidden_reasoning_tokens,
+                                     "llmproxy.description": "hidden reasoning tokens / this request's measured decode rate"})
+            span.end(end_time=wall(end))
+            at = end
         if t.content_ns:
             first = t.content_ns[0]
-            prefill_ns = int(b.phases.get("prefill", 0.0) * 1e9)
-            if "queue" in b.phases:  # the engine reported its prefill: the rest waited
-                queue_ns = int(b.phases["queue"] * 1e9)
-                tracer.start_span("queue", context=server_ctx, start_time=wall(first - prefill_ns - queue_ns)).end(end_time=wall(first - prefill_ns))
-            tracer.start_span("prefill", context=server_ctx, start_time=wall(first - prefill_ns)).end(end_time=wall(first))
             decode = tracer.start_span("decode", context=server_ctx, start_time=wall(first))
             if b.decode_tokens_per_second is not None:
                 decode.set_attribute("llmproxy.decode_tokens_per_second", b.decode_tokens_per_second)
             self._chunks(decode, t, wall)
-            decode.end(end_time=wall(t.upstream_end_ns or t.content_ns[-1]))
-        upstream.end(end_time=wall(t.upstream_end_ns or end_ns))
-        server.end(end_time=wall(end_ns))
+            decode.end(end_time=wall(t.upstream_end_ns or max(t.content_ns)))
 
     def _chunks(self, decode: Any, t: RequestTiming, wall: Callable[[int], int]) -> None:
         mode = self.settings.token_spans
         if mode == "off":
             return
-        tokens = t.chunk_tokens or [1] * len(t.content_ns)
+        tokens = t.chunk_tokens or [1.0] * len(t.content_ns)
+        choices = t.content_choice or [0] * len(t.content_ns)
         ctx = trace.set_span_in_context(decode)
-        previous = t.content_ns[0]
-        for index, (instant, count) in enumerate(zip(t.content_ns, tokens)):
-            attrs = {"llmproxy.chunk.index": index, "llmproxy.chunk.tokens": count}
+        previous: dict[int, int] = {}
+        for index, (instant, count, choice) in enumerate(zip(t.content_ns, tokens, choices)):
+            attrs = {"llmproxy.chunk.index": index, "llmproxy.chunk.tokens": count, "llmproxy.chunk.choice": choice}
             if mode == "events":
                 decode.add_event("chunk", attrs, timestamp=wall(instant))
             else:
-                self.tracer.start_span("chunk", context=ctx, start_time=wall(previous), attributes=attrs).end(end_time=wall(instant))
-            previous = instant
+                start = previous.get(choice, instant)
+                self.tracer.start_span("chunk", context=ctx, start_time=wall(start), attributes=attrs).end(end_time=wall(instant))
+            previous[choice] = instant
 
     def _attributes(self, t: RequestTiming, b: Breakdown) -> dict[str, Any]:
         attrs: dict[str, Any] = {
@@ -170,7 +188,15 @@ class Tracing:
             "llmproxy.outcome": t.outcome,
             "llmproxy.duration_seconds": b.e2e_s,
             "llmproxy.tokens.source": t.token_source,
+            "llmproxy.choices": b.choices,
         }
+        if t.cached_prompt_tokens is not None:
+            attrs["gen_ai.usage.cache_read.input_tokens"] = t.cached_prompt_tokens
+        if t.reasoning_tokens is not None:
+            attrs["llmproxy.usage.reasoning_tokens"] = t.reasoning_tokens
+            attrs["llmproxy.usage.reasoning_hidden"] = t.hidden_reasoning_tokens > 0
+        if "reasoning" in b.phases:
+            attrs["llmproxy.phase.reasoning_estimated"] = True
         if t.response_model:
             attrs["gen_ai.response.model"] = t.response_model
         if t.prompt_tokens is not None:

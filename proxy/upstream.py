@@ -117,6 +117,10 @@ class TraceHook:
             t.tls_start_ns = now
         elif step == "start_tls.complete":
             t.tls_end_ns = now
+        elif step == "send_request_headers.started":
+            t.send_start_ns = now
+        elif step == "send_request_body.complete":
+            t.sent_ns = now
         elif step == "receive_response_headers.complete":
             t.headers_ns = now
 
@@ -133,6 +137,8 @@ class Upstream:
         # Learned: the upstream puts per-request token counts in its streams itself (llama.cpp's
         # `timings`), so asking it for include_usage is unnecessary (and would move its fields).
         self.reports_counts = False
+        # Learned: the upstream answers 400 to `stream_options` (older Azure OpenAI api-versions).
+        self.rejects_stream_options = False
         self.timeouts = {
             "connect": settings.connect_timeout,
             # Response headers may wait for a whole prefill (or, non-streaming, the generation);

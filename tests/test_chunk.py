@@ -29,7 +29,7 @@ def test_usage_only_chunk():
     data = orjson.dumps({"id": "x", "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 7}, "model": "m"})
     chunk = parse_chunk(data)
     assert chunk.usage_only and chunk.text == "" and chunk.model == "m"
-    assert read_usage(chunk.usage) == (5, 7)
+    assert read_usage(chunk.usage)[:2] == (5, 7)
 
 
 def test_invalid_json_is_marked_not_raised():
@@ -47,3 +47,33 @@ def test_strip_usage_null_restores_the_plain_chunk():
     assert strip_usage_null(b'data: {"id":"x","choices":[],"usage":null}\n\n') == plain
     assert strip_usage_null(b'data: {"usage":null,"id":"x","choices":[]}\n\n') == plain
     assert strip_usage_null(plain) == plain
+
+
+def test_reasoning_sent_in_both_fields_is_counted_once():
+    data = chat({"reasoning_content": " think", "reasoning": " think"})
+    chunk = parse_chunk(data)
+    assert chunk.texts == [(0, " think")] and chunk.reasoning
+
+
+def test_refusal_and_legacy_function_call_are_content():
+    assert parse_chunk(chat({"refusal": "I can't"})).text == "I can't"
+    assert parse_chunk(chat({"function_call": {"name": "f", "arguments": "{\"a\":"}})).text == "{\"a\":"
+
+
+def test_choices_keep_their_index():
+    data = orjson.dumps({"choices": [{"index": 1, "delta": {"content": "b"}}, {"index": 0, "delta": {"content": "a"}}]})
+    assert parse_chunk(data).texts == [(1, "b"), (0, "a")]
+
+
+def test_usage_details_and_vllm_metrics():
+    usage = {"prompt_tokens": 2000, "completion_tokens": 2100, "prompt_tokens_details": {"cached_tokens": 1900},
+             "completion_tokens_details": {"reasoning_tokens": 2000}}
+    assert read_usage(usage) == (2000, 2100, 1900, 2000)
+    chunk = parse_chunk(orjson.dumps({"choices": [], "usage": usage, "metrics": {"time_to_first_token_ms": 5.0}}))
+    assert chunk.metrics == {"time_to_first_token_ms": 5.0}
+
+
+def test_usage_null_is_stripped_whatever_the_spacing():
+    assert strip_usage_null(b'data: {"a": 1, "usage": null}\n\n') == b'data: {"a": 1}\n\n'
+    assert strip_usage_null(b'data: {"usage" : null , "a":1}\n\n') == b'data: {"a":1}\n\n'
+    assert strip_usage_null(b'data: {"a":"\\"usage\\": null"}\n\n') == b'data: {"a":"\\"usage\\": null"}\n\n'

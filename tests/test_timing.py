@@ -42,6 +42,7 @@ def test_durations_are_exact():
 def test_phases_follow_the_definitions_and_sum_to_the_total():
     b = split(streaming_record())
     network = 0.0005 + 0.0005 + 0.002 + 0.003 + 0.001  # pool + dns + tcp + tls + rtt
+    assert b.phases["client"] == 0.0  # body_end_ns unset: the body came with the headers
     assert b.phases["proxy"] == pytest.approx(0.001 + 0.001)  # before upstream + after its end
     assert b.phases["network"] == pytest.approx(network)
     assert b.phases["tokenize"] == pytest.approx(0.002)
@@ -68,18 +69,90 @@ def test_rtt_falls_back_to_the_tcp_connect_time():
     assert b.phases["network"] == pytest.approx(0.0005 + 0.0005 + 0.002 + 0.003 + 0.002)
 
 
-def test_decode_rate_needs_two_tokens_and_a_positive_decode():
+def test_decode_rate_needs_a_second_content_chunk_and_a_positive_window():
     t = streaming_record()
-    t.completion_tokens = 1
-    assert split(t).decode_tokens_per_second is None
-    t.completion_tokens = 5
     t.content_ns = [210 * MS]
     assert split(t).decode_tokens_per_second is None
+    t.content_ns = [210 * MS, 210 * MS]
+    assert split(t).decode_tokens_per_second is None
+
+
+def test_decode_counts_the_tokens_after_the_first_chunk_over_the_window():
+    # chunks of 4, 4 and 2 tokens at a true 100 tok/s: 4 at 0, 4 more at 40 ms, 2 more at 60 ms
+    t = streaming_record()
+    t.content_ns = [210 * MS, 250 * MS, 270 * MS]
+    t.chunk_tokens = [4.0, 4.0, 2.0]
+    t.completion_tokens = 10
+    b = split(t)
+    assert b.decode_tokens_per_second == pytest.approx(100.0)  # (4 + 2) / 0.060, not (10 - 1) / 0.060
+    assert b.inter_token_s == pytest.approx([0.010, 0.010])
+
+
+def test_each_choice_is_its_own_sequence():
+    # n=2, each choice at 50 tok/s, interleaved 10 ms apart
+    t = streaming_record()
+    t.content_ns = [210 * MS + k * 10 * MS for k in range(10)]
+    t.content_choice = [k % 2 for k in range(10)]
+    t.completion_tokens = 10
+    b = split(t)
+    assert b.choices == 2
+    assert b.choice_decode_tps == pytest.approx([50.0, 50.0])
+    assert b.decode_tokens_per_second == pytest.approx(50.0)
+    assert b.inter_token_s == pytest.approx([0.020] * 8)
+    assert b.ttft_s == pytest.approx(0.210)
+
+
+def test_hidden_reasoning_is_its_own_phase_estimated_from_the_decode_rate():
+    # 200 hidden tokens; visible tokens at 100 tok/s: reasoning = 2 s of a 2.5 s TTFT
+    t = streaming_record()
+    t.content_ns = [2500 * MS + k * 10 * MS for k in range(11)]
+    t.upstream_end_ns, t.response_end_ns = 2601 * MS, 2602 * MS
+    t.completion_tokens, t.reasoning_tokens = 211, 200
+    b = split(t)
+    assert t.hidden_reasoning_tokens == 200 and t.visible_tokens == 11
+    assert b.decode_tokens_per_second == pytest.approx(100.0)
+    assert b.phases["reasoning"] == pytest.approx(2.0)
+    assert b.phases["prefill"] == pytest.approx(2.5 - 0.001 - b.phases["network"] - 0.002 - 2.0)
+    assert sum(b.phases.values()) == pytest.approx(b.e2e_s, abs=1e-9)
+    t.reasoning_streamed = True  # visible reasoning stays decode: no estimate
+    assert "reasoning" not in split(t).phases
+
+
+def test_reasoning_is_capped_so_prefill_stays_non_negative():
+    t = streaming_record()
+    t.completion_tokens, t.reasoning_tokens = 100_003, 100_000
+    b = split(t)
+    assert b.phases["prefill"] == 0.0
+    assert sum(b.phases.values()) == pytest.approx(b.e2e_s, abs=1e-9)
+
+
+def test_prefill_rate_counts_uncached_prompt_tokens_only():
+    t = streaming_record()
+    t.prompt_tokens, t.cached_prompt_tokens = 2000, 1900
+    b = split(t)
+    assert b.prefill_tokens_per_second == pytest.approx(100 / b.phases["prefill"])
+
+
+def test_client_upload_is_the_client_phase_and_the_upstream_upload_is_network():
+    t = streaming_record()
+    t.received_ns, t.body_end_ns = -3000 * MS, 0  # the client took 3 s to send its body
+    t.send_start_ns, t.sent_ns = 8 * MS, 9 * MS
+    b = split(t)
+    assert b.phases["client"] == pytest.approx(3.0)
+    assert b.phases["proxy"] == pytest.approx(0.002)
+    assert b.phases["network"] == pytest.approx(0.0005 + 0.0005 + 0.002 + 0.003 + 0.001 + 0.001)
+    assert sum(b.phases.values()) == pytest.approx(b.e2e_s, abs=1e-9)
+
+
+def test_a_request_that_never_went_upstream_is_client_and_proxy_time():
+    t = RequestTiming(received_ns=0, endpoint="chat")
+    t.body_end_ns, t.response_end_ns = 2 * MS, 3 * MS
+    assert split(t).phases == pytest.approx({"client": 0.002, "proxy": 0.001})
 
 
 def test_inter_token_latency_divides_by_tokens_in_the_later_chunk():
     t = streaming_record()
-    t.chunk_tokens = [1, 2, 5]
+    t.chunk_tokens = [1.0, 2.0, 5.0]
     assert split(t).inter_token_s == pytest.approx([0.005, 0.002])
 
 

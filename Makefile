@@ -21,6 +21,7 @@ prometheus:
 	scripts/ensure-prometheus.sh
 
 test: $(STAMP) prometheus
+	$(PY) -m mypy
 	$(PY) -m pytest
 
 # vLLM (CPU build) in its own environment: 3.5 GB, a few minutes to install, ~60 s to start.

@@ -72,7 +72,7 @@ def build() -> dict:
     d = (
         Dashboard("LLM latency breakdown")
         .uid("llm-latency-breakdown")
-        .description("Where each LLM request's time goes, measured by llm-latency-proxy: network, tokenize, prefill, decode, proxy.")
+        .description("Where each successful LLM request's time goes, measured by llm-latency-proxy: client upload, proxy, network, tokenize, queue, hidden reasoning, prefill, decode.")
         .tags(["llm", "latency", "llm-latency-proxy"])
         .refresh("30s")
         .time("now-1h", "now")
@@ -89,7 +89,9 @@ def build() -> dict:
     d = d.with_row(Row("Where the time goes"))
     d = d.with_panel(ts("Mean seconds per request, by phase", "s", [
         q(f"sum by (phase) (rate(llmproxy_phase_seconds_sum{{{SEL}}}[{RI}])) / {per_request}", "{{phase}}", "A")], 0, 1,
-        description="Stacked: the phases sum to the mean end-to-end duration. decode dominates short prompts; prefill dominates very long ones.",
+        description=("Stacked, successful requests: the phases sum to the mean end-to-end duration. decode dominates short prompts; "
+                     "prefill dominates very long ones. client is the client's own upload; reasoning is a reasoning model's hidden "
+                     "reasoning (an estimate: hidden tokens / the request's decode rate). Failed requests are on 'Requests by outcome and code'."),
         stack=StackingMode.NORMAL))
     d = d.with_panel(ts("Share of total time, by phase", "percentunit", [
         q(f"sum by (phase) (rate(llmproxy_phase_seconds_sum{{{SEL}}}[{RI}])) / scalar(sum(rate(llmproxy_request_duration_seconds_sum{{{SEL}}}[{RI}])))", "{{phase}}", "A")],
@@ -131,10 +133,14 @@ def build() -> dict:
     d = d.with_row(Row("Tokenizer"))
     d = d.with_panel(ts("Tokenizer seconds per request", "s", [
         q(f'sum by (kind) (rate(llmproxy_tokenize_seconds_sum{{model=~"$model"}}[{RI}])) / sum by (kind) (rate(llmproxy_tokenize_seconds_count{{model=~"$model"}}[{RI}]))', "{{kind}}", "A")],
-        0, 45))
+        0, 45, w=8))
     d = d.with_panel(ts("Tokenizer microseconds per prompt token", "µs", [
         q(f'1e6 * sum(rate(llmproxy_tokenize_seconds_sum{{model=~"$model", kind="prompt"}}[{RI}])) / sum(rate(llmproxy_tokens_total{{{SEL_MODEL}, kind="prompt"}}[{RI}]))', "µs per token", "A")],
-        12, 45))
+        8, 45, w=8))
+    d = d.with_panel(ts("Prompt cache and hidden reasoning", "percentunit", [
+        q(f'sum(rate(llmproxy_tokens_total{{{SEL_MODEL}, kind="cached_prompt"}}[{RI}])) / sum(rate(llmproxy_tokens_total{{{SEL_MODEL}, kind="prompt"}}[{RI}]))', "prompt tokens from cache", "A"),
+        q(f'sum(rate(llmproxy_tokens_total{{{SEL_MODEL}, kind="reasoning"}}[{RI}])) / sum(rate(llmproxy_tokens_total{{{SEL_MODEL}, kind="completion"}}[{RI}]))', "completion tokens hidden (reasoning)", "B")],
+        16, 45, w=8, description="Prefill works on uncached prompt tokens only; hidden reasoning tokens are generated before the first visible token and never streamed."))
 
     d = d.with_row(Row("Requests and the proxy itself"))
     d = d.with_panel(ts("Requests by outcome and code", "reqps", [

@@ -1,3 +1,4 @@
 from .cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # guarded: the offload worker process (spawn) imports this module again
+    raise SystemExit(main())

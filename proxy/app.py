@@ -84,6 +84,7 @@ class ProxyApp:
         if tokenizer is not None:  # load the BPE tables before the first request needs them
             tokenizer.preload()
         await self.upstream.warm()
+        self.offload.start_worker()
         try:
             yield
         finally:

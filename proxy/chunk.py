@@ -118,14 +118,40 @@ def read_usage(usage: dict[str, Any] | None) -> Usage:
                  _count(usage.get("completion_tokens_details"), "reasoning_tokens"))
 
 
-_USAGE_NULL = re.compile(rb'\s*,\s*"usage"\s*:\s*null(?=\s*[,}])|"usage"\s*:\s*null\s*,\s*')
+_USAGE_NULL = re.compile(rb'"usage"\s*:\s*null')
+_SPACE = b" \t\r\n"
 
 
 def strip_usage_null(raw: bytes) -> bytes:
-    """Remove the `"usage": null` key that include_usage adds to every chunk (any spacing)."""
-    if b'"usage"' not in raw:
-        return raw
-    return _USAGE_NULL.sub(b"", raw, count=1)
+    """Remove the `"usage": null` key that include_usage adds to every chunk (any spacing).
+
+    Linear in the event's size: a key is located with `find` and matched anchored there (an
+    unanchored pattern starting with whitespace backtracks quadratically over padded text).
+    A `"usage"` followed by `:` cannot sit inside a JSON string, whose quotes are escaped.
+    """
+    for compact in (b',"usage":null', b'"usage":null,'):
+        if compact in raw:
+            return raw.replace(compact, b"", 1)
+    at = raw.find(b'"usage"')
+    while at != -1:
+        match = _USAGE_NULL.match(raw, at)
+        if match is not None:
+            before = at
+            while before > 0 and raw[before - 1] in _SPACE:
+                before -= 1
+            if raw[before - 1:before] == b",":
+                return raw[:before - 1] + raw[match.end():]
+            after = match.end()
+            while after < len(raw) and raw[after] in _SPACE:
+                after += 1
+            if raw[after:after + 1] == b",":
+                after += 1
+                while after < len(raw) and raw[after] in _SPACE:
+                    after += 1
+                return raw[:at] + raw[after:]
+            return raw  # the object's only key: left as it is
+        at = raw.find(b'"usage"', at + 1)
+    return raw
 
 
 ENGINE_FIELDS = ("timings", "metrics")

@@ -3,7 +3,10 @@
 Starts the simulator (7B-class defaults: prefill 5,000 tok/s, decode 100 tok/s) and the proxy as
 real processes on free loopback ports, sends the four cases (about 100, 1,000, 5,000 and 10,000
 prompt tokens, 100 output tokens) through the official `openai` client via the proxy, and prints
-the measured split per case next to the napkin estimate Prefill(L_in) + Decode(L_out).
+the measured split per case next to the napkin estimate Prefill(L_in) + Decode(L_out). Then a
+reasoning model's three shapes with the same prompt and the same visible output: no reasoning,
+visible reasoning (streamed as `reasoning_content`: decode) and hidden reasoning (o-series style:
+only counted in usage, so it sits inside TTFT, estimated as the phase `reasoning`).
 """
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ from typing import Any, Iterator
 import httpx
 
 CASES = (100, 1_000, 5_000, 10_000)
+REASONING_PROMPT = 1_000
+REASONING: tuple[tuple[str, dict[str, str]], ...] = (("none", {}), ("visible", {"x-sim-visible-reasoning": "{n}"}), ("hidden", {"x-sim-hidden-reasoning": "{n}"}))
 PREFILL_TPS, DECODE_TPS = 5000.0, 100.0
 CHAT_OVERHEAD = 7  # one user message: 3 per message + 1 for the role + 3 to prime the reply
 WORDS = (" the", " of", " and", " to", " in", " is", " that", " for", " it", " with", " as", " on")
@@ -39,7 +44,7 @@ def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout: float = 60
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"{process.args} exited with {process.returncode}")
+            raise RuntimeError(f"{process.args!r} exited with {process.returncode}")
         try:
             if httpx.get(url, timeout=1.0, verify=verify, headers=headers).status_code == 200:
                 return
@@ -89,6 +94,48 @@ def run_cases(proxy_url: str, repeats: int, output_tokens: int) -> None:
                 progress.advance(task)
 
 
+def run_reasoning(proxy_url: str, repeats: int, output_tokens: int) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{proxy_url}/v1", api_key="demo-key-not-secret", max_retries=0)
+    for _, headers in REASONING:
+        for _ in range(repeats):
+            extra = {k: v.format(n=2 * output_tokens) for k, v in headers.items()}
+            for _chunk in client.chat.completions.create(model="sim-7b", messages=[{"role": "user", "content": prompt_of(REASONING_PROMPT)}],
+                                                         max_tokens=output_tokens, stream=True, extra_headers=extra):
+                pass
+
+
+def reasoning_rows(records: list[dict[str, Any]], repeats: int) -> list[dict[str, Any]]:
+    rows = []
+    for index, (name, _) in enumerate(REASONING):
+        group = records[index * repeats : (index + 1) * repeats]
+        med = lambda f: statistics.median(f(r) for r in group)  # noqa: E731
+        rows.append({"shape": name, "ttft": med(lambda r: r["ttft_s"]), "reasoning": med(lambda r: r["phases_s"].get("reasoning", 0.0)),
+                     "prefill": med(lambda r: r["phases_s"]["prefill"]), "decode": med(lambda r: r["phases_s"]["decode"]),
+                     "total": med(lambda r: r["duration_s"]), "decode_tps": med(lambda r: r["decode_tokens_per_second"] or 0.0),
+                     "completion": group[0]["completion_tokens"], "hidden": group[0]["hidden_reasoning_tokens"]})
+    return rows
+
+
+def print_reasoning(rows: list[dict[str, Any]], output_tokens: int) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"A reasoning model: {REASONING_PROMPT} prompt tokens, {output_tokens} visible output tokens, {2 * output_tokens} reasoning tokens")
+    for column in ("reasoning", "ttft", "reasoning (est.)", "prefill", "decode", "total", "decode tok/s", "completion tok", "hidden tok"):
+        table.add_column(column, justify="right")
+    ms = lambda s: f"{s * 1000:.2f} ms" if s < 1 else f"{s:.3f} s"  # noqa: E731
+    for r in rows:
+        table.add_row(r["shape"], ms(r["ttft"]), ms(r["reasoning"]), ms(r["prefill"]), ms(r["decode"]), ms(r["total"]),
+                      f"{r['decode_tps']:.1f}", str(r["completion"]), str(r["hidden"]))
+    console = Console(width=max(Console().width, 150))
+    console.print(table)
+    console.print("Visible reasoning streams (decode: the user sees it). Hidden reasoning is generated before the first visible "
+                  "token: it inflates TTFT, and the proxy attributes it (hidden tokens / the request's decode rate) instead of "
+                  "calling it prefill.")
+
+
 def summarise(records: list[dict[str, Any]], repeats: int, output_tokens: int) -> list[dict[str, Any]]:
     rows = []
     for index, case in enumerate(CASES):
@@ -134,7 +181,9 @@ def run_demo(repeats: int = 3, output_tokens: int = 100) -> int:
     with started(["simulate", "--port", str(sim_port)], f"{sim_url}/health"), \
          started(["serve", "--upstream", f"{sim_url}/v1", "--port", str(proxy_port)], f"{proxy_url}/healthz"):
         run_cases(proxy_url, repeats, output_tokens)
-        records = httpx.get(f"{proxy_url}/llmproxy/requests", params={"limit": len(CASES) * repeats}).json()
-    rows = summarise(records, repeats, output_tokens)
-    print_table(rows)
+        run_reasoning(proxy_url, repeats, output_tokens)
+        total = (len(CASES) + len(REASONING)) * repeats
+        records = httpx.get(f"{proxy_url}/llmproxy/requests", params={"limit": total}).json()
+    print_table(summarise(records[: len(CASES) * repeats], repeats, output_tokens))
+    print_reasoning(reasoning_rows(records[len(CASES) * repeats :], repeats), output_tokens)
     return 0

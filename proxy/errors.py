@@ -13,12 +13,14 @@ import ssl
 import httpcore
 import orjson
 
+from .timing import Outcome
+
 
 class ProxyError(Exception):
     status = 500
     type = "proxy_error"
     code = "proxy_error"
-    outcome = "proxy_error"
+    outcome: Outcome = "proxy_error"
 
     def body(self) -> bytes:
         return error_body(str(self) or self.code, self.type, self.code)

@@ -2,7 +2,8 @@
 
 Each of `concurrency` workers loops until `duration_s` passes or `requests` were sent: chat or
 completions, streaming or not, prompt lengths from short to long, two model names, and a small
-share of injected upstream errors (the simulator's `x-sim-error-status`). It talks raw HTTP with
+share of injected upstream errors (the simulator's `x-sim-error-status`), and the production shapes
+of prompt caching and hidden reasoning. It talks raw HTTP with
 httpx so the load generator stays cheap on a small machine.
 """
 from __future__ import annotations
@@ -27,6 +28,10 @@ class Mix:
     chat_share: float = 0.8
     error_share: float = 0.03
     extra_headers: dict[str, str] = field(default_factory=dict)
+    # Production shapes (the simulator's x-sim-* headers), one chosen per request: prompt caching
+    # (half the prompt cached) and a reasoning model's hidden reasoning.
+    cached_share: float = 0.2
+    hidden_reasoning_share: float = 0.1
 
 
 @dataclass
@@ -50,6 +55,12 @@ async def _one(client: httpx.AsyncClient, rng: random.Random, mix: Mix, result: 
     else:
         body["prompt"] = text
     headers = dict(mix.extra_headers)
+    prompt_tokens = len(text) // 4 if isinstance(text, str) else 0
+    shape = rng.random()
+    if shape < mix.cached_share:
+        headers["x-sim-cached-tokens"] = str(prompt_tokens // 2)
+    elif shape < mix.cached_share + mix.hidden_reasoning_share:
+        headers["x-sim-hidden-reasoning"] = str(rng.choice(mix.max_tokens))
     if rng.random() < mix.error_share:
         headers["x-sim-error-status"] = rng.choice(("500", "429", "503"))
     result.sent += 1

@@ -5,7 +5,8 @@
 - Parsing JSON does not (orjson and the standard library hold the GIL for the whole document:
   measured, a thread parsing a 9 MB body stalls the loop for 320 ms). Bodies above
   `BIG_BODY_BYTES` are read in a one-process pool that sends back a small summary, never the
-  parsed document. The pool starts at the first big body.
+  parsed document (for a request: its small keys and its prompt as texts, which the proxy's
+  tokenizer counts in a thread). The worker starts with the proxy, in the background.
 """
 from __future__ import annotations
 
@@ -14,35 +15,38 @@ import multiprocessing
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
-import orjson
-
 from .chunk import BodyInfo, read_json_body
 from .request import parse_request
+from .tokens import PromptParts, prompt_parts
 
 INLINE_TOKENIZE_BYTES = 16 * 1024  # about 4,000 tokens: well under a millisecond to count
 BIG_BODY_BYTES = 1024 * 1024
 SMALL_KEYS = ("model", "stream", "stream_options", "n")
 T = TypeVar("T")
 
-_worker_tokenizer: Any = None  # in the worker process only: loaded at its first count
-
-
-def summarize_request(path: str, body: bytes, encoding: str | None) -> tuple[str, dict[str, Any] | None, tuple[int, int, float] | None]:
-    """In the worker: (endpoint, the request's small keys, (prompt tokens, uncounted, seconds))."""
-    global _worker_tokenizer
+def summarize_request(path: str, body: bytes) -> tuple[str, dict[str, Any] | None, PromptParts | None]:
+    """In the worker: (endpoint, the request's small keys, its prompt as texts to count)."""
     endpoint, parsed = parse_request(path, body)
     if parsed is None:
         return endpoint, None, None
     view = {key: parsed[key] for key in SMALL_KEYS if key in parsed}
     view["_partial"] = True
-    count = None
-    if encoding is not None:
-        if _worker_tokenizer is None:
-            from .tokens import Tokenizer
+    return endpoint, view, (prompt_parts(endpoint, parsed) if endpoint != "other" else None)
 
-            _worker_tokenizer = Tokenizer(encoding)
-        count = _worker_tokenizer.timed_prompt_count(endpoint, parsed)
-    return endpoint, view, count
+
+def _ready() -> bool:
+    return True
+
+
+def _die_with_parent() -> None:
+    """Worker initializer: if the proxy is killed, the kernel ends its worker too (Linux)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # elsewhere the pool's own shutdown is the only way out
 
 
 def summarize_response(parts: list[bytes], encoding: bytes) -> BodyInfo:
@@ -63,14 +67,23 @@ class Offload:
 
     async def process(self, fn: Callable[..., T], *args: Any) -> T:
         if self._process is None:
-            self._process = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+            self.start_worker()
+        assert self._process is not None
         return await asyncio.get_running_loop().run_in_executor(self._process, fn, *args)
 
-    async def request(self, path: str, body: bytes, encoding: str | None) -> tuple[str, dict[str, Any] | None, tuple[int, int, float] | None]:
+    def start_worker(self) -> None:
+        """Start the worker process now, in the background (about 0.3 s of CPU, ~25 MB), so the
+        first big body does not wait for a Python interpreter to start."""
+        self._process = self._process or ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+                                                             initializer=_die_with_parent)
+        self._process.submit(_ready)
+
+    async def request(self, path: str, body: bytes) -> tuple[str, dict[str, Any] | None, PromptParts | None]:
+        """(endpoint, parsed body or its small keys, the prompt's parts when read in the worker)."""
         if len(body) <= BIG_BODY_BYTES:
             endpoint, parsed = parse_request(path, body)
             return endpoint, parsed, None
-        return await self.process(summarize_request, path, body, encoding)
+        return await self.process(summarize_request, path, body)
 
     async def response(self, parts: list[bytes] | None, encoding: bytes) -> BodyInfo:
         if not parts:
@@ -81,7 +94,8 @@ class Offload:
 
     def shutdown(self) -> None:
         self.threads.shutdown(wait=False, cancel_futures=True)
-        if self._process is not None:
-            self._process.shutdown(wait=False, cancel_futures=True)
+        if self._process is not None:  # waited for: an idle worker exits at once, and none is left behind
+            self._process.shutdown(wait=True, cancel_futures=True)
+            self._process = None
 
 

@@ -101,11 +101,13 @@ class Exchange:
             self.relaying = False
             if watcher is not None:
                 watcher.cancel()
-            if self.response is not None:
-                await app.upstream.release(self.response)  # mid-body: closes the socket, so vLLM aborts
-            if t.response_end_ns is None:
-                t.response_end_ns = now_ns()
-            await app.telemetry.finish(self.ctx)
+            try:
+                if self.response is not None:
+                    await app.upstream.release(self.response)  # mid-body: closes the socket, so vLLM aborts
+            finally:  # even if the release is cancelled again (shutdown): the one finish
+                if t.response_end_ns is None:
+                    t.response_end_ns = now_ns()
+                await app.telemetry.finish(self.ctx)
 
     def _check_request(self) -> None:
         """Proxy authentication and path sanity, before the body is read."""
@@ -155,8 +157,7 @@ class Exchange:
     async def _relay(self, body: bytes) -> None:
         t, app, ctx = self.t, self.app, self.ctx
         upstream = app.upstream
-        encoding = app.settings.default_encoding if app.telemetry.tokenizer is not None else None
-        endpoint, parsed, ctx.prompt_count = await app.offload.request(self.scope["path"][3:], body, encoding)
+        endpoint, parsed, ctx.prompt_parts = await app.offload.request(self.scope["path"][3:], body)
         t.endpoint = endpoint  # type: ignore[assignment]
         original = body
         if parsed is not None:
@@ -174,6 +175,7 @@ class Exchange:
             headers.append((b"traceparent", ctx.spans.traceparent()))
         self.relaying = True
         await self._exchange(body, original, headers)
+        self.relaying = False  # the response is complete: a client closing now is not a disconnect
         if self.json_body:
             ctx.body = info = await app.offload.response(self.json_body, self.body_encoding)
             self.json_body = None
@@ -194,9 +196,10 @@ class Exchange:
                 except TimeoutError:
                     raise UpstreamTimeout(f"no response from the upstream within {limit} s ({upstream.label})") from None
                 if self.injected and response.status == 400:
-                    response = await self._unless_options_rejected(response, url, headers, original)
-                    if response is None:
+                    retried = await self._unless_options_rejected(response, url, headers, original)
+                    if retried is None:
                         return
+                    response = retried
                 await self._respond(response, silence)
         except TimeoutError:
             if self.sending:
@@ -222,7 +225,7 @@ class Exchange:
         request again, and is not asked again; any other 400 goes to the client as it came."""
         app, t = self.app, self.t
         raw = b""
-        async for part in response.aiter_stream():  # type: ignore[attr-defined]
+        async for part in response.aiter_stream():
             raw += part
             if len(raw) > ERROR_BODY_LIMIT:
                 break
@@ -279,7 +282,7 @@ class Exchange:
         t, send, rewrite, json_body = self.t, self.send, self.rewrite, self.json_body
         loop, idle = asyncio.get_running_loop(), self.app.settings.read_timeout
         kept, decoding = 0, bool(t.content_ns)
-        async for chunk in response.aiter_stream():  # type: ignore[attr-defined]
+        async for chunk in response.aiter_stream():
             now = now_ns()
             if decoding and silence is not None:  # after the first token, the (shorter) inter-chunk limit
                 silence.reschedule(loop.time() + idle)
@@ -354,7 +357,7 @@ class Exchange:
     async def _buffered(self, response: httpcore.Response, out_headers: list[tuple[bytes, bytes]]) -> None:
         """Non-streaming with --strip-engine-fields: the body is rewritten whole, then sent."""
         t = self.t
-        parts = [part async for part in response.aiter_stream()]  # type: ignore[attr-defined]
+        parts = [part async for part in response.aiter_stream()]
         t.upstream_end_ns = now_ns()
         self.json_body = parts
         body = without_engine_fields(b"".join(parts))
@@ -364,7 +367,7 @@ class Exchange:
 
     async def _fail(self, error: ProxyError) -> None:
         t = self.t
-        t.outcome, t.status_code, t.error = error.outcome, error.status, error.code  # type: ignore[assignment]
+        t.outcome, t.status_code, t.error = error.outcome, error.status, error.code
         log.warning("%s", error)
         if self.started or self.client_gone:
             return

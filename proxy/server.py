@@ -28,7 +28,7 @@ class GuardedHttpTools(HttpToolsProtocol):
 
     header_timeout = 10.0  # replaced from the environment in each process (workers too)
 
-    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+    def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
         self._header_timer: asyncio.TimerHandle | None = None
         self._arm()

@@ -6,6 +6,17 @@ jitter never accumulates). A role-only chunk goes out at once, as OpenAI sends i
 counted it as the first token would be caught. Per-request overrides come as `x-sim-*` headers;
 `POST /sim/config` changes defaults at run time; `GET /sim/stats` says what the simulator saw
 (requests, completed streams, client disconnects), so tests can observe a close from the far side.
+
+Production shapes, per request (STREAMS.md lists what real servers send):
+`x-sim-hidden-reasoning: N` (N reasoning tokens generated before the first visible one, never
+streamed, reported in usage.completion_tokens_details), `x-sim-visible-reasoning: N` with
+`x-sim-reasoning-field: reasoning_content | reasoning | both`, the request's `n` (choices
+interleaved), `x-sim-chunk-pattern: 4,4,2` (tokens per chunk, cycled), `x-sim-cached-tokens: N`
+(prefill on the rest only; usage.prompt_tokens_details), `x-sim-queue-ms`, `x-sim-keepalive-ms: K`
+(`: keep-alive` comments before the first token), `x-sim-reject-stream-options: 1` (400, as older
+Azure api-versions), `x-sim-vllm-metrics: 1` (vLLM's per-request `metrics`), `x-sim-tgi-headers: 1`,
+`x-sim-delta-field: refusal | function_call`, `x-sim-body-bytes: N` (pads a non-streaming body),
+`x-sim-drop-body: 1` (a non-streaming body cut in half).
 """
 from __future__ import annotations
 
@@ -130,43 +141,69 @@ class Simulator:
         data = [{"object": "embedding", "index": i, "embedding": [round(0.01 * (i + j), 4) for j in range(8)]} for i in range(len(items))]
         await self._reply(send, _json_response(200, {"object": "list", "data": data, "model": request.get("model", ""), "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}))
 
-    def _schedule(self, prompt_tokens: int, n: int, headers: dict[str, str]) -> list[float]:
-        """Seconds after arrival at which each of the n tokens is ready."""
+    def _plan(self, prompt_tokens: int, request: dict[str, Any], headers: dict[str, str]) -> "Plan":
+        """When each chunk of each choice is ready, in seconds after arrival."""
         cfg = self.config
+        cached = min(prompt_tokens, int(headers.get("x-sim-cached-tokens", "0")))
+        queue = float(headers.get("x-sim-queue-ms", "0")) / 1000
         if "x-sim-ttft-ms" in headers:
-            ttft = float(headers["x-sim-ttft-ms"]) / 1000
+            prefill = float(headers["x-sim-ttft-ms"]) / 1000
         else:
-            ttft = cfg.ttft_ms / 1000 if cfg.ttft_ms >= 0 else prompt_tokens / cfg.prefill_tps
+            prefill = cfg.ttft_ms / 1000 if cfg.ttft_ms >= 0 else (prompt_tokens - cached) / cfg.prefill_tps
         gap = 1.0 / float(headers.get("x-sim-decode-tps", cfg.decode_tps))
-        times, at = [], ttft
-        for k in range(n):
-            if k:
-                at += gap * (self.rng.uniform(1 - cfg.jitter, 1 + cfg.jitter) if cfg.jitter else 1.0)
-            times.append(at)
-        return times
+        hidden = int(headers.get("x-sim-hidden-reasoning", "0"))
+        visible_reasoning = int(headers.get("x-sim-visible-reasoning", "0"))
+        n = int(request.get("max_tokens") or request.get("max_completion_tokens") or cfg.default_max_tokens)
+        choices = max(1, int(request.get("n") or 1))
+        pattern = [max(1, int(x)) for x in headers.get("x-sim-chunk-pattern", str(headers.get("x-sim-chunk-tokens", cfg.chunk_tokens))).split(",")]
+        start = queue + prefill + hidden * gap  # hidden reasoning: generated, never streamed
+        chunks: list[tuple[float, int, str, list[str]]] = []  # (ready at, choice, field, tokens)
+        for choice in range(choices):
+            offset = choice * gap / choices  # sequences of one batch, interleaved
+            slots = [("reasoning", WORDS[k % len(WORDS)]) for k in range(visible_reasoning)] + [("content", WORDS[k % len(WORDS)]) for k in range(n)]
+            ready, at = [], start + offset
+            for j in range(len(slots)):  # anchored to arrival, so sleep jitter never accumulates
+                if j:
+                    at += gap * (self.rng.uniform(1 - cfg.jitter, 1 + cfg.jitter) if cfg.jitter else 1.0)
+                ready.append(at)
+            position, k = 0, 0
+            while position < len(slots):
+                size = pattern[k % len(pattern)]
+                group = slots[position:position + size]
+                kinds = {kind for kind, _ in group}
+                if len(kinds) > 1:  # never mix reasoning and content in one delta
+                    group = [slot for slot in group if slot[0] == group[0][0]]
+                position += len(group)
+                chunks.append((ready[position - 1], choice, group[0][0], [word for _, word in group]))
+                k += 1
+        chunks.sort(key=lambda c: (c[0], c[1]))
+        usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": choices * (n + hidden + visible_reasoning),
+                                 "total_tokens": prompt_tokens + choices * (n + hidden + visible_reasoning)}
+        if cached or "x-sim-cached-tokens" in headers:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        if hidden:
+            usage["completion_tokens_details"] = {"reasoning_tokens": choices * hidden}
+        return Plan(chunks, usage, queue, queue + prefill, gap, choices)
 
     async def _generate(self, scope: dict[str, Any], receive: Any, send: Any, kind: str, request: dict[str, Any], headers: dict[str, str], received: float) -> None:
         cfg = self.config
         model = str(request.get("model") or "sim-7b")
-        n = int(request.get("max_tokens") or request.get("max_completion_tokens") or cfg.default_max_tokens)
-        prompt_tokens = self.tokenizer.count_prompt(kind, request)
-        times = self._schedule(prompt_tokens, n, headers)
-        digest = hashlib.sha1(orjson.dumps([model, request.get("messages"), request.get("prompt"), n])).hexdigest()[:24]
+        if headers.get("x-sim-reject-stream-options") == "1" and "stream_options" in request:
+            error = {"error": {"message": "Unrecognized request argument supplied: stream_options", "type": "invalid_request_error", "param": None, "code": None}}
+            return await self._reply(send, _json_response(400, error))
+        plan = self._plan(self.tokenizer.count_prompt(kind, request), request, headers)
+        digest = hashlib.sha1(orjson.dumps([model, request.get("messages"), request.get("prompt"), request.get("max_tokens")])).hexdigest()[:24]
         ident = ("chatcmpl-" if kind == "chat" else "cmpl-") + digest
         created = FIXED_CREATED if cfg.deterministic else int(time.time())
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
-        text = [WORDS[k % len(WORDS)] for k in range(n)]
         stream = request.get("stream") is True
-        options = request.get("stream_options") or {}
-        include_usage = isinstance(options, dict) and options.get("include_usage") is True
         task = asyncio.current_task()
         gone: list[bool] = []
         watcher = asyncio.create_task(self._watch(receive, task, gone))  # sees the client leave, any time
         try:
             if stream:
-                await self._stream(send, kind, ident, created, model, text, times, received, usage, include_usage, headers)
+                await self._stream(send, kind, ident, created, model, plan, received, request, headers)
             else:
-                await self._complete(send, kind, ident, created, model, text, times, received, usage)
+                await self._complete(send, kind, ident, created, model, plan, received, headers)
         except asyncio.CancelledError:
             if not gone or task is None:
                 raise
@@ -175,18 +212,33 @@ class Simulator:
         finally:
             watcher.cancel()
 
-    async def _complete(self, send: Any, kind: str, ident: str, created: int, model: str, text: list[str],
-                        times: list[float], received: float, usage: dict[str, int]) -> None:
-        if times:
-            await asyncio.sleep(max(0.0, received + times[-1] - time.monotonic()))
+    async def _complete(self, send: Any, kind: str, ident: str, created: int, model: str, plan: "Plan", received: float,
+                        headers: dict[str, str]) -> None:
+        await asyncio.sleep(max(0.0, received + plan.end - time.monotonic()))
+        padding = " " * int(headers.get("x-sim-body-bytes", "0"))
+        texts = ["".join(w for c in plan.chunks if c[1] == i and c[2] == "content" for w in c[3]) + padding for i in range(plan.choices)]
         if kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": "".join(text)}, "logprobs": None, "finish_reason": "length"}
-            obj = {"id": ident, "object": "chat.completion", "created": created, "model": model, "choices": [choice], "usage": usage}
+            choices = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": "length"} for i, text in enumerate(texts)]
+            obj = {"id": ident, "object": "chat.completion", "created": created, "model": model, "choices": choices, "usage": plan.usage}
         else:
-            choice = {"index": 0, "text": "".join(text), "logprobs": None, "finish_reason": "length"}
-            obj = {"id": ident, "object": "text_completion", "created": created, "model": model, "choices": [choice], "usage": usage}
+            choices = [{"index": i, "text": text, "logprobs": None, "finish_reason": "length"} for i, text in enumerate(texts)]
+            obj = {"id": ident, "object": "text_completion", "created": created, "model": model, "choices": choices, "usage": plan.usage}
+        extra: list[tuple[bytes, bytes]] = []
+        if headers.get("x-sim-vllm-metrics") == "1":
+            obj["metrics"] = plan.vllm_metrics()
+        if headers.get("x-sim-tgi-headers") == "1":
+            generated = plan.usage["completion_tokens"]
+            inference_ms = (plan.end - plan.queue) * 1000
+            extra = [(b"x-queue-time", str(int(plan.queue * 1000)).encode()), (b"x-inference-time", str(int(inference_ms)).encode()),
+                     (b"x-time-per-token", str(int(inference_ms / max(1, generated))).encode()),
+                     (b"x-prompt-tokens", str(plan.usage["prompt_tokens"]).encode()), (b"x-generated-tokens", str(generated).encode())]
+        status, response_headers, body = _json_response(200, obj, extra)
+        if headers.get("x-sim-drop-body") == "1":  # headers and half the body, then the connection closes
+            await send({"type": "http.response.start", "status": status, "headers": response_headers})
+            await send({"type": "http.response.body", "body": body[: len(body) // 2], "more_body": True})
+            return
         self.stats.completed += 1
-        await self._reply(send, _json_response(200, obj))
+        await self._reply(send, (status, response_headers, body))
 
     async def _watch(self, receive: Any, task: asyncio.Task[Any] | None, gone: list[bool]) -> None:
         while True:
@@ -197,45 +249,90 @@ class Simulator:
                     task.cancel()
                 return
 
-    async def _stream(self, send: Any, kind: str, ident: str, created: int, model: str, text: list[str], times: list[float],
-                      received: float, usage: dict[str, int], include_usage: bool, headers: dict[str, str]) -> None:
+    async def _stream(self, send: Any, kind: str, ident: str, created: int, model: str, plan: "Plan", received: float,
+                      request: dict[str, Any], headers: dict[str, str]) -> None:
         cfg = self.config
         obj_name = "chat.completion.chunk" if kind == "chat" else "text_completion"
-        null_usage = include_usage and cfg.usage_null_chunks
+        options = request.get("stream_options") or {}
+        include_usage = isinstance(options, dict) and bool(options.get("include_usage"))  # truthy, as vLLM accepts
+        continuous = include_usage and bool(options.get("continuous_usage_stats"))
+        null_usage = include_usage and cfg.usage_null_chunks and not continuous
+        reasoning_fields = {"both": ("reasoning_content", "reasoning")}.get(headers.get("x-sim-reasoning-field", ""), (headers.get("x-sim-reasoning-field") or "reasoning_content",))
+        content_field = headers.get("x-sim-delta-field", "content")
 
-        def event(choices: list[dict[str, Any]], usage_value: Any = None, with_usage: bool = False) -> bytes:
+        def event(choices: list[dict[str, Any]], usage_value: Any = None, with_usage: bool = False, metrics: Any = None) -> bytes:
             obj: dict[str, Any] = {"id": ident, "object": obj_name, "created": created, "model": model, "choices": choices}
             if with_usage or null_usage:
                 obj["usage"] = usage_value
+            elif continuous:
+                obj["usage"] = plan.usage
+            if metrics is not None:
+                obj["metrics"] = metrics
             return b"data: " + orjson.dumps(obj) + b"\n\n"
 
-        def choice(content: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
-            if kind == "chat":
-                delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else ({"content": content} if content is not None else {})
-                return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            return {"index": 0, "text": content or "", "logprobs": None, "finish_reason": finish}
+        def choice(index: int, content: str | None, finish: str | None, role: bool = False, field: str = "content") -> dict[str, Any]:
+            if kind != "chat":
+                return {"index": index, "text": content or "", "logprobs": None, "finish_reason": finish}
+            delta: dict[str, Any] = {}
+            if role:
+                delta = {"role": "assistant", "content": ""}
+            elif content is not None and field == "reasoning":
+                delta = {name: content for name in reasoning_fields}
+            elif content is not None and content_field == "function_call":
+                delta = {"function_call": {"arguments": content}}
+            elif content is not None:
+                delta = {content_field: content}
+            return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
 
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]})
         if cfg.role_chunk and kind == "chat":
-            await send({"type": "http.response.body", "body": event([choice(None, None, role=True)]), "more_body": True})
+            for index in range(plan.choices):
+                await send({"type": "http.response.body", "body": event([choice(index, None, None, role=True)]), "more_body": True})
         drop_after = int(headers.get("x-sim-drop-after", "-1"))
         stall_after = int(headers.get("x-sim-stall-after", "-1"))
         malformed = headers.get("x-sim-malformed") == "1"
+        keepalive = float(headers.get("x-sim-keepalive-ms", "0")) / 1000
         padding = " " * int(headers.get("x-sim-token-bytes", "0"))
-        per_chunk = max(1, int(headers.get("x-sim-chunk-tokens", cfg.chunk_tokens)))
-        for start in range(0, len(text), per_chunk):
-            if 0 <= drop_after <= start:
+        sent = 0
+        for at, index, field, words in plan.chunks:
+            if 0 <= drop_after <= sent:
                 return  # leave the response incomplete: uvicorn closes the connection mid-stream
-            if 0 <= stall_after <= start:
+            if 0 <= stall_after <= sent:
                 await asyncio.Event().wait()  # silent forever (until the client leaves)
-            end = min(len(text), start + per_chunk)
-            await asyncio.sleep(max(0.0, received + times[end - 1] - time.monotonic()))
-            await send({"type": "http.response.body", "body": event([choice("".join(text[start:end]) + padding, None)]), "more_body": True})
-            self.stats.tokens_sent += end - start
-            if malformed and start == 0:
+            while keepalive and sent == 0 and received + at - time.monotonic() > keepalive:
+                await asyncio.sleep(keepalive)
+                await send({"type": "http.response.body", "body": b": keep-alive\n\n", "more_body": True})
+            await asyncio.sleep(max(0.0, received + at - time.monotonic()))
+            await send({"type": "http.response.body", "body": event([choice(index, "".join(words) + padding, None, field=field)]), "more_body": True})
+            self.stats.tokens_sent += len(words)
+            if malformed and sent == 0:
                 await send({"type": "http.response.body", "body": b'data: {"choices": [{"delta": {"content": "unterminated\n\n', "more_body": True})
-        tail = event([choice(None, "length")])
+            sent += 1
+        tail = b"".join(event([choice(index, None, "length")]) for index in range(plan.choices))
         if include_usage:
-            tail += event([], usage, with_usage=True)
+            metrics = plan.vllm_metrics() if headers.get("x-sim-vllm-metrics") == "1" else None
+            tail += event([], plan.usage, with_usage=True, metrics=metrics)
         await send({"type": "http.response.body", "body": tail + b"data: [DONE]\n\n", "more_body": False})
         self.stats.completed += 1
+
+
+@dataclass
+class Plan:
+    chunks: list[tuple[float, int, str, list[str]]]
+    usage: dict[str, Any]
+    queue: float  # seconds waiting before prefill
+    first: float  # prefill done (before hidden reasoning)
+    gap: float
+    choices: int
+
+    @property
+    def end(self) -> float:
+        return self.chunks[-1][0] if self.chunks else self.first
+
+    def vllm_metrics(self) -> dict[str, Any]:
+        """vLLM's --enable-per-request-metrics object, from this schedule."""
+        ttft = (self.chunks[0][0] if self.chunks else self.first) - self.queue
+        generation = self.end - (self.chunks[0][0] if self.chunks else self.first)
+        tokens = self.usage["completion_tokens"]
+        return {"time_to_first_token_ms": ttft * 1000, "generation_time_ms": generation * 1000, "queue_time_ms": self.queue * 1000,
+                "mean_itl_ms": self.gap * 1000, "tokens_per_second": tokens / max(1e-9, self.end - self.queue), "speculative_decoding": None}

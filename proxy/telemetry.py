@@ -22,7 +22,7 @@ from .config import Settings
 from .metrics import ProxyMetrics
 from .offload import Offload
 from .timing import Breakdown, RequestTiming, split
-from .tokens import Tokenizer
+from .tokens import PromptParts, Tokenizer, prompt_parts
 from .tracing import RequestSpans, Tracing
 
 log = logging.getLogger("llmproxy.telemetry")
@@ -38,7 +38,7 @@ class RequestContext:
     spans: RequestSpans | None = None
     request: dict[str, Any] | None = None  # the parsed request body, for the tokenizer; dropped at finish
     request_size: int = 0
-    prompt_count: tuple[int, int, float] | None = None  # counted already (a big body, in the worker)
+    prompt_parts: PromptParts | None = None  # the prompt as texts to count (a big body, read in the worker)
     usage: dict[str, Any] | None = None  # the stream's usage object
     body: BodyInfo | None = None  # what a non-streaming JSON response said
     finished: bool = False
@@ -124,8 +124,13 @@ class SpansSink:
         self.tracing = tracing
 
     def export(self, ctx: RequestContext, b: Breakdown | None) -> None:
-        if ctx.spans is not None:
+        if ctx.spans is None:
+            return
+        try:
             self.tracing.finish(ctx.spans, ctx.timing, b, ctx.wall_offset_ns)
+        except Exception:
+            ctx.spans.end()  # never leave a span open, whatever failed
+            raise
 
 
 class RecordsSink:
@@ -253,15 +258,16 @@ class Telemetry:
         t = ctx.timing
         if self.tokenizer is None:
             return
-        counted = ctx.prompt_count
-        if counted is None and ctx.request is not None and t.endpoint != "other":
+        parts = ctx.prompt_parts
+        if parts is None and ctx.request is not None and t.endpoint != "other":
             with self._guard("tokenizer"):
-                counted = await self.offload.thread(ctx.request_size, self.tokenizer.timed_prompt_count, t.endpoint, ctx.request)
-        if counted is not None:
-            count, uncounted, seconds = counted
-            t.tokenize_prompt_s, t.prompt_uncounted_parts = seconds, uncounted
-            if t.prompt_tokens is None:
-                t.prompt_tokens = count
+                parts = prompt_parts(t.endpoint, ctx.request)
+        if parts is not None:
+            with self._guard("tokenizer"):
+                count, uncounted, seconds = await self.offload.thread(ctx.request_size, self.tokenizer.timed_prompt_count, parts)
+                t.tokenize_prompt_s, t.prompt_uncounted_parts = seconds, uncounted
+                if t.prompt_tokens is None:
+                    t.prompt_tokens = count
         text = ctx.body.text if ctx.body is not None else ""
         texts = t.chunk_text if t.chunk_text else ([text] if text else [])
         visible = t.visible_tokens

@@ -13,7 +13,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 import tiktoken
@@ -107,51 +107,20 @@ class Tokenizer:
     def count_text(self, model: str, text: str) -> int:
         return len(self.encoding(model).encode_ordinary(text))
 
+    def count_parts(self, parts: PromptParts) -> int:
+        enc = self.encoding(parts.model)
+        return parts.fixed + sum(len(enc.encode_ordinary(text)) for text in parts.texts)
+
     def count_prompt(self, endpoint: str, body: dict[str, Any]) -> int:
         """Prompt tokens of a chat, completions or embeddings request body."""
-        model = str(body.get("model") or "")
-        enc = self.encoding(model)
-        if endpoint == "chat":
-            return self._count_messages(enc, body.get("messages") or [])
-        return _count_input(enc, body.get("prompt") if endpoint == "completions" else body.get("input"))
+        return self.count_parts(prompt_parts(endpoint, body))
 
-    def count_request(self, endpoint: str, body: dict[str, Any]) -> tuple[int, int]:
-        """(prompt tokens, parts not counted) of a chat, completions or embeddings request body.
-
-        Chat: OpenAI's token-counting guide (3 per message, 1 per name, 3 to prime the reply); text
-        content parts counted, image/audio/file parts not (their count depends on pixels or
-        seconds the proxy does not decode) and reported as uncounted; assistant `tool_calls` and
-        legacy `function_call` count their name and arguments; `tools` / `functions` count their
-        JSON text, an approximation (OpenAI injects them in an unpublished format).
-        """
-        model = str(body.get("model") or "")
-        enc = self.encoding(model)
-        if endpoint != "chat":
-            return _count_input(enc, body.get("prompt") if endpoint == "completions" else body.get("input")), 0
-        counter = _Counter(enc)
-        total = REPLY_PRIMING
-        for message in body.get("messages") or []:
-            if not isinstance(message, dict):
-                continue
-            total += TOKENS_PER_MESSAGE
-            for key, value in message.items():
-                total += counter.value(value)
-                if key == "name":
-                    total += TOKENS_PER_NAME
-        for key in ("tools", "functions"):
-            if isinstance(body.get(key), list) and body[key]:
-                total += len(enc.encode_ordinary(orjson.dumps(body[key]).decode()))
-        return total, counter.uncounted
-
-    def count_prompt(self, endpoint: str, body: dict[str, Any]) -> int:
-        return self.count_request(endpoint, body)[0]
-
-    def timed_prompt_count(self, endpoint: str, body: dict[str, Any]) -> tuple[int, int, float]:
+    def timed_prompt_count(self, parts: PromptParts) -> tuple[int, int, float]:
         """(tokens, uncounted parts, seconds): the tokenize phase is this thread's CPU time, so
         waiting for the GIL in a thread pool is not counted as tokenizer time."""
         start = time.thread_time_ns()
-        count, uncounted = self.count_request(endpoint, body)
-        return count, uncounted, (time.thread_time_ns() - start) / 1e9
+        count = self.count_parts(parts)
+        return count, parts.uncounted, (time.thread_time_ns() - start) / 1e9
 
     def timed_chunk_counts(self, model: str, texts: list[str]) -> tuple[list[int], float]:
         start = time.thread_time_ns()
@@ -163,38 +132,79 @@ class Tokenizer:
 TEXT_PARTS = ("text", "input_text", "output_text", "refusal")
 
 
-class _Counter:
-    """Counts message values: strings, content parts, tool calls; notes parts it cannot count."""
+class PromptParts(NamedTuple):
+    """A prompt as the texts to tokenize plus what is known without a tokenizer. Plain Python,
+    picklable: the offload worker extracts it from a big body, the proxy's tokenizer counts it."""
 
-    def __init__(self, enc: tiktoken.Encoding) -> None:
-        self.enc = enc
+    model: str
+    texts: list[str]
+    fixed: int = 0  # per-message overheads, prompts given as token ids
+    uncounted: int = 0  # parts the tokenizer cannot count (images, audio, files)
+
+
+def prompt_parts(endpoint: str, body: dict[str, Any]) -> PromptParts:
+    """Chat: OpenAI's token-counting guide (3 per message, 1 per name, 3 to prime the reply); text
+    content parts counted, image/audio/file parts not (their count depends on pixels or seconds the
+    proxy does not decode) and reported as uncounted; assistant `tool_calls` and the legacy
+    `function_call` count their name and arguments; `tools` / `functions` count their JSON text, an
+    approximation (OpenAI injects them in an unpublished format)."""
+    parts = _Parts(str(body.get("model") or ""))
+    if endpoint != "chat":
+        parts.input(body.get("prompt") if endpoint == "completions" else body.get("input"))
+        return parts.done()
+    parts.fixed = REPLY_PRIMING
+    for message in body.get("messages") or []:
+        if not isinstance(message, dict):
+            continue
+        parts.fixed += TOKENS_PER_MESSAGE
+        for key, value in message.items():
+            parts.value(value)
+            if key == "name":
+                parts.fixed += TOKENS_PER_NAME
+    for key in ("tools", "functions"):
+        if isinstance(body.get(key), list) and body[key]:
+            parts.texts.append(orjson.dumps(body[key]).decode())
+    return parts.done()
+
+
+class _Parts:
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.texts: list[str] = []
+        self.fixed = 0
         self.uncounted = 0
 
-    def value(self, value: Any) -> int:
-        if isinstance(value, str):
-            return len(self.enc.encode_ordinary(value))
-        if isinstance(value, list):
-            return sum(self.part(part) for part in value if isinstance(part, dict))
-        if isinstance(value, dict):  # legacy function_call {name, arguments}
-            return self.value(value.get("name")) + self.value(value.get("arguments"))
-        return 0
+    def done(self) -> PromptParts:
+        return PromptParts(self.model, self.texts, self.fixed, self.uncounted)
 
-    def part(self, part: dict[str, Any]) -> int:
+    def value(self, value: Any) -> None:
+        if isinstance(value, str):
+            self.texts.append(value)
+        elif isinstance(value, list):
+            for part in value:
+                if isinstance(part, dict):
+                    self.part(part)
+        elif isinstance(value, dict):  # legacy function_call {name, arguments}
+            self.value(value.get("name"))
+            self.value(value.get("arguments"))
+
+    def part(self, part: dict[str, Any]) -> None:
         kind = part.get("type")
         if kind in TEXT_PARTS or (kind is None and "text" in part):
-            return self.value(part.get("text") if "text" in part else part.get("refusal"))
-        if kind == "function" or "function" in part:  # an assistant tool call
+            self.value(part.get("text") if "text" in part else part.get("refusal"))
+        elif kind == "function" or "function" in part:  # an assistant tool call
             fn = part.get("function")
-            return self.value(fn) if isinstance(fn, dict) else 0
-        self.uncounted += 1  # image_url, input_audio, file, ...
-        return 0
+            if isinstance(fn, dict):
+                self.value(fn)
+        else:
+            self.uncounted += 1  # image_url, input_audio, file, ...
 
-
-def _count_input(enc: tiktoken.Encoding, prompt: Any) -> int:
-    if isinstance(prompt, str):
-        return len(enc.encode_ordinary(prompt))
-    if isinstance(prompt, list):
-        if all(isinstance(x, int) for x in prompt):
-            return len(prompt)  # already token ids
-        return sum(_count_input(enc, item) for item in prompt)
-    return 0
+    def input(self, prompt: Any) -> None:
+        if isinstance(prompt, str):
+            self.texts.append(prompt)
+        elif isinstance(prompt, list):
+            if prompt and all(isinstance(x, int) for x in prompt):
+                self.fixed += len(prompt)  # already token ids
+            else:
+                for item in prompt:
+                    self.input(item)

@@ -75,6 +75,12 @@ class RequestSpans:
     def trace_id(self) -> str:
         return format(self.server.get_span_context().trace_id, "032x")
 
+    def end(self) -> None:
+        """End both spans now if still open (a fallback when building them failed)."""
+        for span in (self.upstream, self.server):
+            if span.is_recording():
+                span.end()
+
     def traceparent(self) -> bytes:
         carrier: dict[str, str] = {}
         _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(self.upstream))
@@ -84,13 +90,19 @@ class RequestSpans:
 class Tracing:
     def __init__(self, provider: TracerProvider | None, settings: Settings) -> None:
         self.provider = provider
-        self.tracer = provider.get_tracer("llm-latency-proxy") if provider is not None else None
+        self._tracer = provider.get_tracer("llm-latency-proxy") if provider is not None else None
         self.settings = settings
         _, self.host, self.port, _ = settings.upstream_parts
 
     @property
     def enabled(self) -> bool:
-        return self.tracer is not None
+        return self._tracer is not None
+
+    @property
+    def tracer(self) -> trace.Tracer:
+        """Only called with tracing enabled (the relay asks `enabled` first)."""
+        assert self._tracer is not None
+        return self._tracer
 
     def start(self, headers: dict[str, str], t: RequestTiming, wall_ns: int) -> RequestSpans:
         parent = _PROPAGATOR.extract(headers)

@@ -216,11 +216,11 @@ class Upstream:
             await response.aclose()
         finally:
             if connection is not None:
+                self._slots.release()  # first: an await below may be cancelled
                 if connection.is_idle():
                     self._idle.append(connection)
                 else:
                     await connection.aclose()
-                self._slots.release()
 
     async def warm(self) -> None:
         """Load anyio's asyncio backend now: lazily it costs ~20 ms inside the first request."""

@@ -29,8 +29,12 @@ def proxy_factory(sim: Simulator) -> Iterator[Any]:
         return server
 
     yield make
-    for server in servers:
-        server.stop()
+    try:
+        for server in servers:
+            server.assert_all_finished()  # after every test: no request left unfinished, no span open
+    finally:
+        for server in servers:
+            server.stop()
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import uvicorn
 from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import SpanProcessor
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
@@ -55,6 +56,20 @@ class Simulator:
         httpx.post(f"{self.url}/sim/config", json=values).raise_for_status()
 
 
+class SpanCounter(SpanProcessor):
+    """Counts spans started and ended: a request must never leave a span open."""
+
+    def __init__(self) -> None:
+        self.started = 0
+        self.ended = 0
+
+    def on_start(self, span, parent_context=None) -> None:  # type: ignore[no-untyped-def]
+        self.started += 1
+
+    def on_end(self, span) -> None:  # type: ignore[no-untyped-def]
+        self.ended += 1
+
+
 class ProxyServer:
     """The proxy app in this process (so tests see its spans and registry), on a real socket."""
 
@@ -65,9 +80,12 @@ class ProxyServer:
         self.exporter = InMemorySpanExporter()
         provider = TracerProvider()
         provider.add_span_processor(SimpleSpanProcessor(self.exporter))
+        self.spans = SpanCounter()
+        provider.add_span_processor(self.spans)
         self.registry = CollectorRegistry()
         self.app = ProxyApp(self.settings, registry=self.registry, tracer_provider=provider)
         config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, loop="asyncio", http="httptools",
+                                timeout_graceful_shutdown=self.settings.shutdown_grace,
                                 log_level="warning", access_log=False, server_header=False, date_header=False, proxy_headers=False)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -99,6 +117,17 @@ class ProxyServer:
 
     def sample(self, name: str, labels: dict[str, str]) -> float | None:
         return self.registry.get_sample_value(name, labels)
+
+    def in_flight(self) -> float:
+        return self.sample("llmproxy_requests_in_flight", {"upstream": self.settings.upstream_label}) or 0.0
+
+    def assert_all_finished(self, timeout: float = 5.0) -> None:
+        """Every request finished: the in-flight gauge back at 0, every span started was ended."""
+        deadline = time.monotonic() + timeout
+        while (self.in_flight() or self.spans.started != self.spans.ended) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert self.in_flight() == 0, "a request never finished: the in-flight gauge is not back at 0"
+        assert self.spans.started == self.spans.ended, f"{self.spans.started - self.spans.ended} spans left open"
 
     def stop(self) -> None:
         self.server.should_exit = True

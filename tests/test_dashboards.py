@@ -86,7 +86,7 @@ def promtool(*args: str) -> str:
 
 def test_promtool_check_config_and_rules():
     assert "SUCCESS" in promtool("check", "config", str(PROM_CONFIG))
-    assert "SUCCESS: 16 rules found" in promtool("check", "rules", str(RULES))
+    assert "SUCCESS: 17 rules found" in promtool("check", "rules", str(RULES))
 
 
 def test_promtool_rule_unit_tests():

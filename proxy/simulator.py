@@ -16,7 +16,8 @@ interleaved), `x-sim-chunk-pattern: 4,4,2` (tokens per chunk, cycled), `x-sim-ca
 (`: keep-alive` comments before the first token), `x-sim-reject-stream-options: 1` (400, as older
 Azure api-versions), `x-sim-vllm-metrics: 1` (vLLM's per-request `metrics`), `x-sim-tgi-headers: 1`,
 `x-sim-delta-field: refusal | function_call`, `x-sim-body-bytes: N` (pads a non-streaming body),
-`x-sim-drop-body: 1` (a non-streaming body cut in half).
+`x-sim-drop-body: 1` (a non-streaming body cut in half), `x-sim-logprobs: N` (N logprobs entries in a
+non-streaming body: parse-heavy JSON).
 """
 from __future__ import annotations
 
@@ -78,6 +79,7 @@ class Simulator:
         self.tokenizer = tokenizer or Tokenizer()
         self.stats = SimStats()
         self.rng = random.Random(self.config.seed)
+        self._big: dict[tuple[Any, ...], bytes] = {}  # serialised parse-heavy bodies (x-sim-logprobs)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -232,7 +234,18 @@ class Simulator:
             extra = [(b"x-queue-time", str(int(plan.queue * 1000)).encode()), (b"x-inference-time", str(int(inference_ms)).encode()),
                      (b"x-time-per-token", str(int(inference_ms / max(1, generated))).encode()),
                      (b"x-prompt-tokens", str(plan.usage["prompt_tokens"]).encode()), (b"x-generated-tokens", str(generated).encode())]
-        status, response_headers, body = _json_response(200, obj, extra)
+        logprobs = int(headers.get("x-sim-logprobs", "0"))
+        if logprobs:  # a parse-heavy body: one logprobs entry per "token", as OpenAI's logprobs=true sends
+            key = (kind, model, logprobs, len(padding), plan.choices)
+            body = self._big.get(key)
+            if body is None:
+                entry = {"token": " the", "logprob": -0.125, "bytes": [32, 116, 104, 101], "top_logprobs": []}
+                for choice in obj["choices"]:
+                    choice["logprobs"] = {"content": [entry] * logprobs}
+                body = self._big[key] = orjson.dumps(obj)  # serialised once: the simulator's own stall stays small
+            status, response_headers = 200, [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())] + extra
+        else:
+            status, response_headers, body = _json_response(200, obj, extra)
         if headers.get("x-sim-drop-body") == "1":  # headers and half the body, then the connection closes
             await send({"type": "http.response.start", "status": status, "headers": response_headers})
             await send({"type": "http.response.body", "body": body[: len(body) // 2], "more_body": True})

@@ -16,7 +16,7 @@ from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
 from .chunk import BodyInfo, read_json_body
-from .request import parse_request
+from .request import ENDPOINTS, parse_request
 from .tokens import PromptParts, prompt_parts
 
 INLINE_TOKENIZE_BYTES = 16 * 1024  # about 4,000 tokens: well under a millisecond to count
@@ -80,7 +80,7 @@ class Offload:
 
     async def request(self, path: str, body: bytes) -> tuple[str, dict[str, Any] | None, PromptParts | None]:
         """(endpoint, parsed body or its small keys, the prompt's parts when read in the worker)."""
-        if len(body) <= BIG_BODY_BYTES:
+        if len(body) <= BIG_BODY_BYTES or path not in ENDPOINTS:  # unmeasured paths (file uploads) are never parsed
             endpoint, parsed = parse_request(path, body)
             return endpoint, parsed, None
         return await self.process(summarize_request, path, body)

@@ -257,7 +257,8 @@ class Exchange:
         content_type = _header(response.headers, b"content-type", b"")
         encoding = _header(response.headers, b"content-encoding", b"identity")
         is_sse = content_type.startswith(b"text/event-stream")
-        json_ok = not is_sse and response.status < 400 and encoding in (b"identity", b"gzip", b"deflate")
+        json_ok = (not is_sse and response.status < 400 and encoding in (b"identity", b"gzip", b"deflate")
+                   and (b"json" in content_type or not content_type))
         self.strip = settings.strip_engine_fields and (is_sse or (json_ok and encoding == b"identity"))
         self.rewrite = is_sse and (self.injected or self.strip)
         if json_ok:

@@ -219,6 +219,7 @@ class Simulator:
         await asyncio.sleep(max(0.0, received + plan.end - time.monotonic()))
         padding = " " * int(headers.get("x-sim-body-bytes", "0"))
         texts = ["".join(w for c in plan.chunks if c[1] == i and c[2] == "content" for w in c[3]) + padding for i in range(plan.choices)]
+        choices: list[dict[str, Any]]
         if kind == "chat":
             choices = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": "length"} for i, text in enumerate(texts)]
             obj = {"id": ident, "object": "chat.completion", "created": created, "model": model, "choices": choices, "usage": plan.usage}
@@ -239,8 +240,8 @@ class Simulator:
             key = (kind, model, logprobs, len(padding), plan.choices)
             body = self._big.get(key)
             if body is None:
-                entry = {"token": " the", "logprob": -0.125, "bytes": [32, 116, 104, 101], "top_logprobs": []}
-                for choice in obj["choices"]:
+                entry: dict[str, Any] = {"token": " the", "logprob": -0.125, "bytes": [32, 116, 104, 101], "top_logprobs": []}
+                for choice in choices:
                     choice["logprobs"] = {"content": [entry] * logprobs}
                 body = self._big[key] = orjson.dumps(obj)  # serialised once: the simulator's own stall stays small
             status, response_headers = 200, [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())] + extra

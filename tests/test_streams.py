@@ -242,12 +242,12 @@ def test_a_split_that_fails_still_finishes_the_request(proxy, monkeypatch):
     monkeypatch.setattr(telemetry, "split", broken)
     chunks = stream(proxy, 3)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == " the of and"
-    deadline = time.monotonic() + 5
-    while proxy.sample("llmproxy_telemetry_errors_total", {"component": "timing"}) != 1 and time.monotonic() < deadline:
+    labels = {"model": "sim-7b", "upstream": proxy.settings.upstream_label, "endpoint": "chat", "stream": "true", "outcome": "ok", "code": "200"}
+    deadline = time.monotonic() + 5  # the metrics sink runs just after the split failed, on the proxy's thread
+    while proxy.sample("llmproxy_requests_total", labels) != 1 and time.monotonic() < deadline:
         time.sleep(0.02)
+    assert proxy.sample("llmproxy_requests_total", labels) == 1
     assert proxy.sample("llmproxy_telemetry_errors_total", {"component": "timing"}) == 1
-    labels = {"model": "sim-7b", "upstream": proxy.settings.upstream_label, "endpoint": "chat", "stream": "true"}
-    assert proxy.sample("llmproxy_requests_total", {**labels, "outcome": "ok", "code": "200"}) == 1
     proxy.assert_all_finished()
 
 

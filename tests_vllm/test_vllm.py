@@ -38,7 +38,8 @@ class VLLM:
         self.process = subprocess.Popen(
             [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", "tiny-llama",
              "--dtype", "bfloat16", "--max-model-len", "4096", "--host", "127.0.0.1", "--port", str(self.port),
-             "--otlp-traces-endpoint", f"{receiver.url}/v1/traces", "--enable-log-requests"],
+             "--otlp-traces-endpoint", f"{receiver.url}/v1/traces", "--enable-log-requests",
+             "--enable-per-request-metrics", "--enable-prompt-tokens-details"],
             env=env, stdout=self.log, stderr=subprocess.STDOUT)
         wait_healthy(f"{self.url}/health", self.process, timeout=300)
 
@@ -155,3 +156,27 @@ def test_vllm_request_span_is_a_child_of_the_proxy_upstream_request(stack):
     assert request_span.parent_span_id == upstream.context.span_id.to_bytes(8, "big")
     attrs = {a.key for a in request_span.attributes}
     print(f"\nvLLM span {request_span.name!r} joined trace {trace_id.hex()} under upstream.request; attributes: {sorted(attrs)}")
+
+
+def test_per_request_metrics_split_queue_and_prefill_and_cached_tokens_are_read(stack):
+    """vLLM's `metrics` object (--enable-per-request-metrics) joined per request, on the real engine."""
+    proxy = stack["proxy"]
+    c = openai.OpenAI(base_url=proxy.v1, api_key="sk-test", max_retries=0)
+    prompt = f"# request {time.monotonic_ns()}\n" + LINE * 40
+    records = []
+    for _ in range(2):  # the second time the prompt's prefix is in vLLM's cache
+        list(c.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": prompt}], max_tokens=8, stream=True,
+                                       temperature=0))
+        records.append(proxy.last_record())
+    for r in records:
+        engine = r["engine"]
+        assert engine["source"] == "vllm" and engine["prompt_s"] > 0 and engine["queue_s"] is not None
+        assert r["phases_s"]["prefill"] == pytest.approx(min(engine["prompt_s"], r["phases_s"]["prefill"] + r["phases_s"]["queue"]))
+        assert r["phases_s"]["queue"] >= 0
+        assert sum(r["phases_s"].values()) == pytest.approx(r["duration_s"], abs=1e-6)
+    assert records[0]["cached_prompt_tokens"] == 0
+    first, second = records
+    print(f"\nvLLM per-request metrics: engine prefill {first['engine']['prompt_s'] * 1e3:.2f} ms (queue {first['engine']['queue_s'] * 1e3:.3f} ms) "
+          f"of proxy TTFT {first['ttft_s'] * 1e3:.2f} ms; phases {first['phases_s']}; second request: cached prompt tokens "
+          f"{second['cached_prompt_tokens']} of {second['prompt_tokens']}, engine prefill {second['engine']['prompt_s'] * 1e3:.2f} ms, "
+          f"prefill tok/s {second['prefill_tokens_per_second']}")

@@ -305,6 +305,7 @@ class Exchange:
                 decoding = True
                 silence.reschedule(loop.time() + idle)
         t.upstream_end_ns = now = now_ns()
+        self.sending = True  # the upstream is done: a timeout from here on is the client's
         if decoder is not None:
             for event in decoder.flush():
                 if not rewrite:

@@ -45,12 +45,18 @@ def pct(values: list[float], q: float) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--pairs", type=int, default=300)
+    parser.add_argument("--src", default="", help="run the proxy from another checkout (e.g. a git worktree of an older commit)")
     parser.add_argument("proxy_args", nargs="*", help="extra flags for the proxy, after --")
     args = parser.parse_args()
     sim_port, proxy_port = free_port(), free_port()
     sim, proxy = f"http://127.0.0.1:{sim_port}", f"http://127.0.0.1:{proxy_port}"
+    serve = ["serve", "--upstream", f"{sim}/v1", "--port", str(proxy_port), "--records", str(args.pairs + 10), *args.proxy_args]
+    command = None
+    if args.src:
+        src = os.path.abspath(args.src)
+        command = [sys.executable, "-c", f"import sys; sys.path.insert(0, {src!r}); from proxy.cli import main; sys.exit(main())", *serve]
     with started(["simulate", "--port", str(sim_port)], f"{sim}/health"), \
-         started(["serve", "--upstream", f"{sim}/v1", "--port", str(proxy_port), "--records", str(args.pairs + 10), *args.proxy_args], f"{proxy}/healthz"), \
+         started(serve, f"{proxy}/healthz", command=command), \
          httpx.Client(timeout=30) as direct_client, httpx.Client(timeout=30) as proxy_client:
         for _ in range(10):  # warm both paths: connections, tokenizer, first-call imports
             one(direct_client, f"{sim}/v1/chat/completions")
@@ -68,7 +74,7 @@ def main() -> int:
     ttft_err = [(r["ttft_s"] * 1000 - TTFT_MS) for r in records]
     tps_err = [100 * (r["decode_tokens_per_second"] / DECODE_TPS - 1) for r in records]
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}; pairs: {args.pairs}")
-    print(f"command: .venv/bin/python bench/overhead.py --pairs {args.pairs}\n")
+    print(f"command: .venv/bin/python bench/overhead.py --pairs {args.pairs}{' --src ' + args.src if args.src else ''}\n")
     print("| figure | p50 | p99 |\n|---|---|---|")
     print(f"| client TTFT direct (ms) | {statistics.median(d[0] for d in direct) * 1000:.3f} | {pct([d[0] * 1000 for d in direct], 0.99):.3f} |")
     print(f"| client TTFT via proxy (ms) | {statistics.median(v[0] for v in via) * 1000:.3f} | {pct([v[0] * 1000 for v in via], 0.99):.3f} |")

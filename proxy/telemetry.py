@@ -264,7 +264,7 @@ class Telemetry:
                 parts = prompt_parts(t.endpoint, ctx.request)
         if parts is not None:
             with self._guard("tokenizer"):
-                count, uncounted, seconds = await self.offload.thread(ctx.request_size, self.tokenizer.timed_prompt_count, parts)
+                count, uncounted, seconds = await self.offload.prompt_count(ctx.request_size, self.tokenizer, parts)
                 t.tokenize_prompt_s, t.prompt_uncounted_parts = seconds, uncounted
                 if t.prompt_tokens is None:
                     t.prompt_tokens = count

@@ -293,3 +293,17 @@ def test_recorded_vllm_stream_and_body_join(tmp_path):
     engine = from_vllm(body.metrics)
     assert engine is not None and engine.prompt_s == pytest.approx(0.009662017999744421)
     assert body.usage["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_server_side_spans_sit_back_to_back_before_the_first_token(proxy):
+    """tokenize (standing for the server's), queue, reasoning and prefill end exactly where decode starts."""
+    stream(proxy, 11, {"x-sim-vllm-metrics": "1", "x-sim-queue-ms": "50", "x-sim-ttft-ms": "50", "x-sim-hidden-reasoning": "20",
+                       "x-sim-decode-tps": "100"})
+    proxy.last_record()
+    spans = {s.name: s for s in proxy.exporter.get_finished_spans()}
+    order = ["tokenize", "queue", "reasoning", "prefill", "decode"]
+    for before, after in zip(order, order[1:]):
+        assert spans[before].end_time == spans[after].start_time, (before, after)
+    assert spans["tokenize"].attributes["llmproxy.estimate"] is True
+    assert "standing for the server" in spans["tokenize"].attributes["llmproxy.description"]
+    assert spans["reasoning"].attributes["llmproxy.reasoning.hidden_tokens"] == 20

@@ -1,0 +1,51 @@
+"""Work kept off the event loop: big bodies read in the worker process, prompt counts timed honestly."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import orjson
+
+from proxy.offload import BIG_BODY_BYTES, Offload
+from proxy.tokens import Tokenizer, prompt_parts
+
+
+def test_a_large_prompt_is_counted_in_the_worker_with_the_tokenizers_own_time():
+    """Beside a thread that keeps the GIL busy (as a busy event loop does), the tokenize phase is
+    still the tokenizer's CPU time: in a thread, each tiktoken call's GIL handoff would be counted."""
+    tok = Tokenizer()
+    tok.preload()
+    body = {"model": "gpt-4o", "messages": [{"role": "user", "content": f"message {i} " + "word " * 20} for i in range(3000)]}
+    parts = prompt_parts("chat", body)
+    alone = min(tok.timed_prompt_count(parts)[2] for _ in range(3))
+    offload = Offload()
+    stop = threading.Event()
+
+    def busy() -> None:
+        while not stop.is_set():
+            pass
+
+    spinner = threading.Thread(target=busy)
+    try:
+        asyncio.run(offload.prompt_count(BIG_BODY_BYTES, tok, parts))  # the worker loads its BPE tables (not timed)
+        spinner.start()
+        count, uncounted, seconds = asyncio.run(offload.prompt_count(BIG_BODY_BYTES, tok, parts))
+    finally:
+        stop.set()
+        offload.shutdown()
+    assert count == tok.count_parts(parts) and uncounted == 0
+    assert seconds < 3 * alone + 0.005, (seconds, alone)
+
+
+def test_a_big_request_body_is_summarised_in_the_worker():
+    body = orjson.dumps({"model": "m", "stream": True, "stream_options": {"include_usage": 1},
+                         "messages": [{"role": "user", "content": "x " * BIG_BODY_BYTES}]})
+    offload = Offload()
+    try:
+        endpoint, view, parts = asyncio.run(offload.request("/chat/completions", body))
+        small = asyncio.run(offload.request("/files", body))  # an unmeasured path is never parsed
+    finally:
+        offload.shutdown()
+    assert endpoint == "chat" and view == {"model": "m", "stream": True, "stream_options": {"include_usage": 1}, "_partial": True}
+    assert parts is not None and parts.texts == ["user", "x " * BIG_BODY_BYTES] and parts.fixed == 3 + 3
+    assert small == ("other", None, None)

@@ -9,7 +9,6 @@ the usage-only chunk the client did not ask for.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from typing import TYPE_CHECKING, Any, Protocol
@@ -20,8 +19,8 @@ from starlette.types import Receive, Scope, Send
 from .chunk import DONE, Chunk, parse_chunk, strip_usage_null, without_engine_fields
 from .config import Settings
 from .engine import from_llamacpp, from_tgi, from_vllm
-from .errors import (BadPath, BodyTimeout, BodyTooLarge, ProxyError, Unauthorized, UpstreamTimeout, map_transport_error)
-from .request import filter_headers, usage_injected_body
+from .errors import ProxyError, UpstreamTimeout, map_transport_error
+from .request import ClientGone, check_request, filter_headers, header, read_body, usage_injected_body
 from .sse import Event, SSEDecoder
 from .telemetry import RequestContext
 from .timing import RequestTiming, now_ns
@@ -50,10 +49,6 @@ class AppView(Protocol):
     def upstream_headers(self, headers: list[tuple[bytes, bytes]], length: int) -> list[tuple[bytes, bytes]]: ...
 
 
-class ClientGone(Exception):
-    """Raised into the relay when the client disconnected."""
-
-
 class Exchange:
     """One proxied request. Created per request; `run` is the whole ASGI response."""
 
@@ -79,8 +74,8 @@ class Exchange:
         assert task is not None
         watcher: asyncio.Task[None] | None = None
         try:
-            self._check_request()
-            body = await self._read_body()
+            check_request(self.scope, app.client_keys)
+            body = await read_body(self.scope, self.receive, app.settings)
             t.body_end_ns = now_ns()
             watcher = asyncio.create_task(self._watch(task))
             await self._relay(body)
@@ -108,42 +103,6 @@ class Exchange:
                 if t.response_end_ns is None:
                     t.response_end_ns = now_ns()
                 await app.telemetry.finish(self.ctx)
-
-    def _check_request(self) -> None:
-        """Proxy authentication and path sanity, before the body is read."""
-        keys = self.app.client_keys
-        if keys:
-            auth = _header(self.scope["headers"], b"authorization", b"")
-            token = auth[7:].strip().decode("latin-1") if auth[:7].lower() == b"bearer " else ""
-            if not any(hmac.compare_digest(token, key) for key in keys):
-                raise Unauthorized("missing or incorrect API key for the proxy")
-        segments = self.scope["path"].split("/")
-        if ".." in segments or "." in segments:
-            raise BadPath("paths with dot segments are not relayed")
-
-    async def _read_body(self) -> bytes:
-        """The whole request body, bounded in size (413) and in time (408)."""
-        settings = self.app.settings
-        limit = settings.max_body_bytes
-        declared = _header(self.scope["headers"], b"content-length", b"0")
-        if declared.isdigit() and int(declared) > limit:
-            raise BodyTooLarge(f"request body is {int(declared)} bytes; the limit is {limit}")
-        parts, size = [], 0
-        try:
-            async with asyncio.timeout(settings.body_timeout):
-                while True:
-                    message = await self.receive()
-                    if message["type"] == "http.disconnect":
-                        raise ClientGone()
-                    part = message.get("body", b"")
-                    size += len(part)
-                    if size > limit:
-                        raise BodyTooLarge(f"request body exceeds the limit of {limit} bytes")
-                    parts.append(part)
-                    if not message.get("more_body"):
-                        return b"".join(parts)
-        except TimeoutError:
-            raise BodyTimeout(f"the request body took longer than {settings.body_timeout} s to arrive") from None
 
     async def _watch(self, task: asyncio.Task[Any]) -> None:
         while True:
@@ -254,8 +213,8 @@ class Exchange:
             t.outcome = "upstream_error"
         t.engine = from_tgi(response.headers) or t.engine
         out_headers = filter_headers(response.headers)
-        content_type = _header(response.headers, b"content-type", b"")
-        encoding = _header(response.headers, b"content-encoding", b"identity")
+        content_type = header(response.headers, b"content-type", b"")
+        encoding = header(response.headers, b"content-encoding", b"identity")
         is_sse = content_type.startswith(b"text/event-stream")
         json_ok = (not is_sse and response.status < 400 and encoding in (b"identity", b"gzip", b"deflate")
                    and (b"json" in content_type or not content_type))
@@ -268,7 +227,7 @@ class Exchange:
         elif self.strip:
             await self._buffered(response, out_headers)
             return
-        length = _header(response.headers, b"content-length", None)
+        length = header(response.headers, b"content-length", None)
         if length is not None and not self.rewrite:
             out_headers.append((b"content-length", length))
         await self._start(response.status, out_headers)
@@ -377,10 +336,6 @@ class Exchange:
         await self._start(error.status, [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())])
         t.response_end_ns = now_ns()
         await self.send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-def _header(headers: list[tuple[bytes, bytes]], name: bytes, default: Any) -> Any:
-    return next((v for k, v in headers if k.lower() == name), default)
 
 
 def _content_length(headers: list[tuple[bytes, bytes]], body: bytes) -> list[tuple[bytes, bytes]]:

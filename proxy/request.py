@@ -1,19 +1,72 @@
 """What the proxy reads from a client's request, and the one change it may make to it.
 
+Intake first: proxy authentication, path sanity, and the body read whole within its size and
+time limits.
+
 A body it cannot parse is forwarded unchanged: only measurement degrades. The one rewrite is
 `stream_options.include_usage`, asked for when a streaming client did not (exact token counts).
 """
 from __future__ import annotations
 
+import asyncio
+import hmac
 import re
 from typing import Any
 
 import orjson
+from starlette.types import Receive, Scope
+
+from .config import Settings
+from .errors import BadPath, BodyTimeout, BodyTooLarge, Unauthorized
 
 ENDPOINTS = {"/chat/completions": "chat", "/completions": "completions", "/embeddings": "embeddings"}
 HOP_BY_HOP = frozenset(
     b"connection keep-alive proxy-authenticate proxy-authorization te trailer trailers transfer-encoding upgrade host content-length".split()
 )
+
+
+class ClientGone(Exception):
+    """The client disconnected (while sending its body, or later, seen by the relay's watcher)."""
+
+
+def header(headers: list[tuple[bytes, bytes]], name: bytes, default: Any) -> Any:
+    return next((v for k, v in headers if k.lower() == name), default)
+
+
+def check_request(scope: Scope, keys: tuple[str, ...]) -> None:
+    """Proxy authentication and path sanity, before the body is read."""
+    if keys:
+        auth = header(scope["headers"], b"authorization", b"")
+        token = auth[7:].strip().decode("latin-1") if auth[:7].lower() == b"bearer " else ""
+        if not any(hmac.compare_digest(token, key) for key in keys):
+            raise Unauthorized("missing or incorrect API key for the proxy")
+    segments = scope["path"].split("/")
+    if ".." in segments or "." in segments:
+        raise BadPath("paths with dot segments are not relayed")
+
+
+async def read_body(scope: Scope, receive: Receive, settings: Settings) -> bytes:
+    """The whole request body, bounded in size (413) and in time (408)."""
+    limit = settings.max_body_bytes
+    declared = header(scope["headers"], b"content-length", b"0")
+    if declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(f"request body is {int(declared)} bytes; the limit is {limit}")
+    parts, size = [], 0
+    try:
+        async with asyncio.timeout(settings.body_timeout):
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise ClientGone()
+                part = message.get("body", b"")
+                size += len(part)
+                if size > limit:
+                    raise BodyTooLarge(f"request body exceeds the limit of {limit} bytes")
+                parts.append(part)
+                if not message.get("more_body"):
+                    return b"".join(parts)
+    except TimeoutError:
+        raise BodyTimeout(f"the request body took longer than {settings.body_timeout} s to arrive") from None
 
 
 def filter_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:

@@ -61,6 +61,7 @@ class Exchange:
         self.client_gone = False
         self.started = False  # http.response.start went to the client
         self.sending = False  # blocked handing bytes to the client (a slow reader)
+        self.done = False  # `data: [DONE]` went by: a client leaving now has had everything
         self.response: httpcore.Response | None = None
         self.json_body: list[bytes] | None = None
         self.body_encoding = b"identity"
@@ -108,7 +109,9 @@ class Exchange:
         while True:
             message = await self.receive()
             if message["type"] == "http.disconnect":
-                if self.relaying:
+                # The openai client may close the connection once it read [DONE], before the
+                # upstream's end of stream is relayed: that request finished normally.
+                if self.relaying and not self.done:
                     self.client_gone = True
                     task.cancel()
                 return
@@ -279,6 +282,7 @@ class Exchange:
     def _note(self, data: bytes | None, now: int) -> Chunk | None:
         """Record what an event means for timing; returns the parsed chunk (None: no JSON data)."""
         if data is None or data == DONE:
+            self.done = self.done or data == DONE
             return None
         chunk = parse_chunk(data)
         t = self.t

@@ -16,7 +16,8 @@ interleaved), `x-sim-chunk-pattern: 4,4,2` (tokens per chunk, cycled), `x-sim-ca
 (`: keep-alive` comments before the first token), `x-sim-reject-stream-options: 1` (400, as older
 Azure api-versions), `x-sim-vllm-metrics: 1` (vLLM's per-request `metrics`), `x-sim-tgi-headers: 1`,
 `x-sim-delta-field: refusal | function_call`, `x-sim-body-bytes: N` (pads a non-streaming body),
-`x-sim-drop-body: 1` (a non-streaming body cut in half), `x-sim-logprobs: N` (N logprobs entries in a
+`x-sim-drop-body: 1` (a non-streaming body cut in half), `x-sim-done-gap-ms` (the stream ends a while
+after `[DONE]`), `x-sim-logprobs: N` (N logprobs entries in a
 non-streaming body: parse-heavy JSON).
 """
 from __future__ import annotations
@@ -326,7 +327,11 @@ class Simulator:
         if include_usage:
             metrics = plan.vllm_metrics() if headers.get("x-sim-vllm-metrics") == "1" else None
             tail += event([], plan.usage, with_usage=True, metrics=metrics)
-        await send({"type": "http.response.body", "body": tail + b"data: [DONE]\n\n", "more_body": False})
+        done_gap = float(headers.get("x-sim-done-gap-ms", "0")) / 1000
+        await send({"type": "http.response.body", "body": tail + b"data: [DONE]\n\n", "more_body": done_gap > 0})
+        if done_gap:  # the end of the response a little after [DONE], as llama.cpp's server sends it
+            await asyncio.sleep(done_gap)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
         self.stats.completed += 1
 
 

@@ -3,7 +3,6 @@ real sockets: the simulator sends the shape on a known schedule, the openai clie
 and the proxy's figure is checked against the schedule."""
 from __future__ import annotations
 
-import statistics
 import threading
 import time
 
@@ -307,3 +306,20 @@ def test_server_side_spans_sit_back_to_back_before_the_first_token(proxy):
     assert spans["tokenize"].attributes["llmproxy.estimate"] is True
     assert "standing for the server" in spans["tokenize"].attributes["llmproxy.description"]
     assert spans["reasoning"].attributes["llmproxy.reasoning.hidden_tokens"] == 20
+
+
+def test_a_client_that_leaves_right_after_done_finished_normally(proxy):
+    """The openai client may close its connection once it read `[DONE]`; the upstream's end of the
+    response comes a little later (llama.cpp). That request is ok, not a client disconnect."""
+    body = orjson.dumps({"model": "sim-7b", "messages": MSG, "max_tokens": 3, "stream": True})
+    import socket
+
+    with socket.create_connection(("127.0.0.1", proxy.port)) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"x-sim-done-gap-ms: 300\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        seen = b""
+        while b"data: [DONE]" not in seen:
+            seen += sock.recv(65536)
+    r = proxy.last_record()
+    assert r["outcome"] == "ok" and r["status_code"] == 200
+    assert r["phases_s"]["decode"] >= 0.3  # the relay still waited for the upstream's end

@@ -25,15 +25,11 @@ from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
-from proxy.demo import free_port, started  # noqa: E402
+from overhead import pct  # noqa: E402
+from proxy.demo import free_port, serve_command, started  # noqa: E402
 from rawclient import Connection  # noqa: E402
 
 BODY = {"model": "sim-7b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def fetch_big(port: int, big_bytes: int, logprobs: bool, seconds: float, every: float, ready: Any, count: Any) -> None:
@@ -76,11 +72,6 @@ def round_(port: int, args: argparse.Namespace, big: bool) -> tuple[tuple[float,
     return (pct(gaps, 0.5), pct(gaps, 0.99), max(gaps)), count.value
 
 
-def serve_command(src: str, sim: str, port: int) -> list[str]:
-    return [sys.executable, "-c", f"import sys; sys.path.insert(0, {src!r}); from proxy.cli import main; sys.exit(main())",
-            "serve", "--upstream", f"{sim}/v1", "--port", str(port)]
-
-
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=8)
@@ -102,7 +93,7 @@ def main() -> int:
         for name, port in targets.items():
             if name != "direct":
                 src = os.path.abspath(args.before) if name == "proxy before" else here
-                stack.enter_context(started([], f"http://127.0.0.1:{port}/healthz", command=serve_command(src, sim, port), quiet=True))
+                stack.enter_context(started([], f"http://127.0.0.1:{port}/healthz", command=serve_command(src, "serve", "--upstream", f"{sim}/v1", "--port", str(port)), quiet=True))
         rows: dict[tuple[str, bool], list[tuple[float, float, float]]] = {}
         counts = []
         for port in targets.values():

@@ -19,7 +19,7 @@ import time
 import httpx
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from proxy.demo import free_port, started  # noqa: E402
+from proxy.demo import free_port, serve_command, started  # noqa: E402
 
 TTFT_MS, DECODE_TPS, TOKENS = 20.0, 200.0, 20
 BODY = {"model": "sim-7b", "messages": [{"role": "user", "content": "hello"}], "max_tokens": TOKENS, "stream": True}
@@ -51,10 +51,7 @@ def main() -> int:
     sim_port, proxy_port = free_port(), free_port()
     sim, proxy = f"http://127.0.0.1:{sim_port}", f"http://127.0.0.1:{proxy_port}"
     serve = ["serve", "--upstream", f"{sim}/v1", "--port", str(proxy_port), "--records", str(args.pairs + 10), *args.proxy_args]
-    command = None
-    if args.src:
-        src = os.path.abspath(args.src)
-        command = [sys.executable, "-c", f"import sys; sys.path.insert(0, {src!r}); from proxy.cli import main; sys.exit(main())", *serve]
+    command = serve_command(args.src, *serve) if args.src else None
     with started(["simulate", "--port", str(sim_port)], f"{sim}/health"), \
          started(serve, f"{proxy}/healthz", command=command), \
          httpx.Client(timeout=30) as direct_client, httpx.Client(timeout=30) as proxy_client:

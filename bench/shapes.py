@@ -9,18 +9,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import socket
-import statistics
 import sys
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import httpx
 import orjson
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from proxy.demo import free_port, started  # noqa: E402
+from proxy.demo import free_port, serve_command, started  # noqa: E402
 
 MSG = [{"role": "user", "content": "hello"}]
 
@@ -28,8 +26,7 @@ MSG = [{"role": "user", "content": "hello"}]
 @contextlib.contextmanager
 def proxy(src: str, sim: str, *flags: str) -> Iterator[str]:
     port = free_port()
-    command = [sys.executable, "-c", f"import sys; sys.path.insert(0, {src!r}); from proxy.cli import main; sys.exit(main())",
-               "serve", "--upstream", f"{sim}/v1", "--port", str(port), *flags]
+    command = serve_command(src, "serve", "--upstream", f"{sim}/v1", "--port", str(port), *flags)
     with started([], f"http://127.0.0.1:{port}/healthz", command=command, quiet=True):
         yield f"http://127.0.0.1:{port}"
 

@@ -72,6 +72,12 @@ def started(args: list[str], health_url: str, env: dict[str, str] | None = None,
             process.kill()
 
 
+def serve_command(src: str, *args: str) -> list[str]:
+    """`llm-latency-proxy ARGS` run from the checkout at `src` (benchmarks: a before/after on one machine)."""
+    return [sys.executable, "-c", f"import sys; sys.path.insert(0, {os.path.abspath(src)!r}); from proxy.cli import main; sys.exit(main())",
+            *args]
+
+
 def prompt_of(tokens: int) -> str:
     """Text of exactly `tokens` - CHAT_OVERHEAD tokens: each word is one token."""
     return "".join(WORDS[i % len(WORDS)] for i in range(max(1, tokens - CHAT_OVERHEAD)))

@@ -8,8 +8,8 @@
 - Parsing JSON does not (orjson and the standard library hold the GIL for the whole document:
   measured, a thread parsing a 9 MB body stalls the loop for 320 ms). Bodies above
   `BIG_BODY_BYTES` are read in a one-process pool that sends back a small summary, never the
-  parsed document (for a request: its small keys and its prompt as texts, which the proxy's
-  tokenizer counts in a thread). The worker starts with the proxy, in the background.
+  parsed document (for a request: its small keys and its prompt as texts, counted at finish in the
+  same worker). The worker starts with the proxy, in the background.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ INLINE_TOKENIZE_BYTES = 16 * 1024  # about 4,000 tokens: well under a millisecon
 BIG_BODY_BYTES = 1024 * 1024
 SMALL_KEYS = ("model", "stream", "stream_options", "n")
 T = TypeVar("T")
+
 
 def summarize_request(path: str, body: bytes) -> tuple[str, dict[str, Any] | None, PromptParts | None]:
     """In the worker: (endpoint, the request's small keys, its prompt as texts to count)."""
@@ -117,5 +118,3 @@ class Offload:
         if self._process is not None:  # waited for: an idle worker exits at once, and none is left behind
             self._process.shutdown(wait=True, cancel_futures=True)
             self._process = None
-
-

@@ -90,12 +90,6 @@ USAGE_OPTION = b'"stream_options":{"include_usage":true}'
 _LONG_NUMBER = re.compile(rb"\d{16,}")  # digits a double cannot hold: re-serialising would change them
 
 
-def client_asked_usage(parsed: dict[str, Any]) -> bool:
-    """The client asked for usage itself: any truthy `include_usage` (vLLM accepts 1, "true")."""
-    options = parsed.get("stream_options")
-    return isinstance(options, dict) and bool(options.get("include_usage"))
-
-
 def usage_injected_body(parsed: dict[str, Any], raw: bytes) -> bytes | None:
     """The body with stream_options.include_usage set, or None when it is set or must not be.
 

@@ -8,7 +8,6 @@ counted in `llmproxy_telemetry_errors_total{component}`, and never reaches the c
 """
 from __future__ import annotations
 
-import asyncio
 import collections
 import logging
 from contextlib import contextmanager
@@ -208,13 +207,12 @@ class Telemetry:
             with self._guard("metrics"):
                 self.in_flight.dec()
         try:
-            self._counts(ctx)
+            with self._guard("timing"):  # whatever fails, the sinks below still run
+                self._counts(ctx)
             try:
-                await self._count_tokens(ctx)
-            except asyncio.CancelledError:  # shut down mid-count: export what is known, then stop
-                self._export(ctx)
-                raise
-            self._export(ctx)
+                await self._count_tokens(ctx)  # guards its own errors: only a shutdown cancel gets out
+            finally:
+                self._export(ctx)  # cancelled mid-count too: export what is known
         finally:
             ctx.request = None
             t.chunk_text.clear()  # generated text never outlives the request

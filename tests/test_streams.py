@@ -323,3 +323,18 @@ def test_a_client_that_leaves_right_after_done_finished_normally(proxy):
     r = proxy.last_record()
     assert r["outcome"] == "ok" and r["status_code"] == 200
     assert r["phases_s"]["decode"] >= 0.3  # the relay still waited for the upstream's end
+
+
+def test_counts_that_fail_still_finish_the_request(proxy, monkeypatch):
+    def broken(ctx):
+        raise RuntimeError("usage exploded")
+
+    monkeypatch.setattr(proxy.app.telemetry, "_counts", broken)
+    stream(proxy, 3)
+    labels = {"model": "sim-7b", "upstream": proxy.settings.upstream_label, "endpoint": "chat", "stream": "true", "outcome": "ok", "code": "200"}
+    deadline = time.monotonic() + 5
+    while proxy.sample("llmproxy_requests_total", labels) != 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert proxy.sample("llmproxy_requests_total", labels) == 1
+    assert proxy.sample("llmproxy_telemetry_errors_total", {"component": "timing"}) == 1
+    proxy.assert_all_finished()

@@ -83,12 +83,11 @@ class ProxyApp:
         tokenizer = self.telemetry.tokenizer
         if tokenizer is not None:  # load the BPE tables before the first request needs them
             tokenizer.preload()
-        await self.upstream.warm()
         self.offload.start_worker()
         try:
             yield
         finally:
-            await self.upstream.aclose()
+            self.upstream.aclose()
             if self.tracer_provider is not None:
                 self.tracer_provider.shutdown()
             self.offload.shutdown()

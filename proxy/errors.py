@@ -10,7 +10,6 @@ from __future__ import annotations
 import socket
 import ssl
 
-import httpcore
 import orjson
 
 from .timing import Outcome
@@ -72,6 +71,38 @@ class BadPath(ProxyError):
     status, type, code, outcome = 400, "invalid_request_error", "invalid_path", "proxy_error"
 
 
+class TransportError(Exception):
+    """A failure talking to the upstream, raised by the upstream client; mapped below."""
+
+
+class ConnectError(TransportError):
+    pass
+
+
+class ConnectTimeout(TransportError):
+    pass
+
+
+class PoolTimeout(TransportError):
+    pass
+
+
+class WriteTimeout(TransportError):
+    pass
+
+
+class RemoteProtocolError(TransportError):
+    pass
+
+
+class ReadError(TransportError):
+    pass
+
+
+class WriteError(TransportError):
+    pass
+
+
 def error_body(message: str, type_: str, code: str) -> bytes:
     return orjson.dumps({"error": {"message": message, "type": type_, "code": code, "param": None}})
 
@@ -85,16 +116,16 @@ def _root_causes(exc: BaseException) -> list[BaseException]:
     return seen
 
 
-# (httpcore exception, our class, message prefix): the first matching row wins.
+# (transport exception, our class, message prefix): the first matching row wins. Waiting for the
+# response (headers or body) is bounded by the relay's first-token and read limits, not here.
 TRANSPORT_ERRORS: tuple[tuple[type[BaseException], type[ProxyError], str], ...] = (
-    (httpcore.ConnectTimeout, UpstreamTimeout, "timed out connecting to the upstream"),
-    (httpcore.PoolTimeout, UpstreamTimeout, "timed out waiting for a free upstream connection"),
-    (httpcore.ReadTimeout, UpstreamTimeout, "the upstream did not answer in time"),
-    (httpcore.WriteTimeout, UpstreamTimeout, "timed out sending the request upstream"),
-    (httpcore.ConnectError, UpstreamConnectError, "could not connect to the upstream"),
-    (httpcore.RemoteProtocolError, UpstreamProtocolError, "the upstream broke the HTTP protocol"),
-    (httpcore.ReadError, UpstreamProtocolError, "the upstream connection failed while reading"),
-    (httpcore.WriteError, UpstreamConnectError, "the upstream connection failed while sending"),
+    (ConnectTimeout, UpstreamTimeout, "timed out connecting to the upstream"),
+    (PoolTimeout, UpstreamTimeout, "timed out waiting for a free upstream connection"),
+    (WriteTimeout, UpstreamTimeout, "timed out sending the request upstream"),
+    (ConnectError, UpstreamConnectError, "could not connect to the upstream"),
+    (RemoteProtocolError, UpstreamProtocolError, "the upstream broke the HTTP protocol"),
+    (ReadError, UpstreamProtocolError, "the upstream connection failed while reading"),
+    (WriteError, UpstreamConnectError, "the upstream connection failed while sending"),
     (OSError, UpstreamConnectError, "could not reach the upstream"),
 )
 

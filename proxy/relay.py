@@ -13,19 +13,19 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
-import httpcore
 from starlette.types import Receive, Scope, Send
 
 from .chunk import DONE, Chunk, parse_chunk, strip_usage_null, without_engine_fields
 from .config import Settings
 from .engine import from_llamacpp, from_tgi, from_vllm
-from .errors import ProxyError, UpstreamTimeout, map_transport_error
+from .errors import ProxyError, TransportError, UpstreamTimeout, map_transport_error
 from .request import ClientGone, check_request, filter_headers, header, read_body, usage_injected_body
 from .sse import Event, SSEDecoder
 from .telemetry import RequestContext
 from .timing import RequestTiming, now_ns
 
 if TYPE_CHECKING:
+    from .connection import Connection
     from .offload import Offload
     from .telemetry import Telemetry
     from .upstream import Upstream
@@ -34,7 +34,6 @@ log = logging.getLogger("llmproxy.relay")
 
 NON_STREAM_BODY_LIMIT = 16 * 1024 * 1024  # bytes kept for reading usage from a JSON body
 ERROR_BODY_LIMIT = 64 * 1024  # an upstream 400 read whole, to see whether it rejects stream_options
-TRANSPORT = (httpcore.TimeoutException, httpcore.NetworkError, httpcore.ProtocolError)
 
 
 class AppView(Protocol):
@@ -62,7 +61,7 @@ class Exchange:
         self.started = False  # http.response.start went to the client
         self.sending = False  # blocked handing bytes to the client (a slow reader)
         self.done = False  # `data: [DONE]` went by: a client leaving now has had everything
-        self.response: httpcore.Response | None = None
+        self.response: Connection | None = None
         self.json_body: list[bytes] | None = None
         self.body_encoding = b"identity"
         self.injected = False  # we asked for include_usage: drop the usage chunk, strip usage:null
@@ -97,13 +96,11 @@ class Exchange:
             self.relaying = False
             if watcher is not None:
                 watcher.cancel()
-            try:
-                if self.response is not None:
-                    await app.upstream.release(self.response)  # mid-body: closes the socket, so vLLM aborts
-            finally:  # even if the release is cancelled again (shutdown): the one finish
-                if t.response_end_ns is None:
-                    t.response_end_ns = now_ns()
-                await app.telemetry.finish(self.ctx)
+            if self.response is not None:
+                app.upstream.release(self.response)  # mid-body: aborts the connection, so vLLM stops
+            if t.response_end_ns is None:
+                t.response_end_ns = now_ns()
+            await app.telemetry.finish(self.ctx)
 
     async def _watch(self, task: asyncio.Task[Any]) -> None:
         while True:
@@ -149,7 +146,7 @@ class Exchange:
     async def _exchange(self, body: bytes, original: bytes, headers: list[tuple[bytes, bytes]]) -> None:
         t, app = self.t, self.app
         upstream, limit = app.upstream, app.settings.first_token_timeout
-        url = upstream.url(self.scope["path"][3:], self.scope.get("query_string", b""))
+        url = upstream.target(self.scope["path"][3:], self.scope.get("query_string", b""))
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout_at(loop.time() + limit) as silence:
@@ -169,7 +166,7 @@ class Exchange:
                 log.warning("cut a client that stopped reading for over %s s", app.settings.read_timeout)
                 return
             await self._broken(UpstreamTimeout("the upstream sent no first token in time" if not t.content_ns else "the upstream went silent mid-stream"))
-        except TRANSPORT as exc:
+        except TransportError as exc:
             await self._broken(map_transport_error(exc, upstream.label))
 
     async def _broken(self, error: ProxyError) -> None:
@@ -181,13 +178,13 @@ class Exchange:
         t.outcome, t.error = error.outcome, f"mid_stream:{error.code}"
         log.warning("upstream stream ended early: %s", error)
 
-    async def _unless_options_rejected(self, response: httpcore.Response, url: bytes, headers: list[tuple[bytes, bytes]],
-                                       original: bytes) -> httpcore.Response | None:
+    async def _unless_options_rejected(self, response: Connection, url: bytes, headers: list[tuple[bytes, bytes]],
+                                       original: bytes) -> Connection | None:
         """An upstream that rejects stream_options (older Azure api-versions) gets the client's own
         request again, and is not asked again; any other 400 goes to the client as it came."""
         app, t = self.app, self.t
         raw = b""
-        async for part in response.aiter_stream():
+        async for part in response.iter_body():
             raw += part
             if len(raw) > ERROR_BODY_LIMIT:
                 break
@@ -202,14 +199,14 @@ class Exchange:
         log.warning("the upstream %s rejects stream_options: requests go unchanged from now on", app.upstream.label)
         app.upstream.rejects_stream_options = True
         self.response = None
-        await app.upstream.release(response)
+        app.upstream.release(response)
         self.injected = False
         t.reset_upstream()
         headers = [(k, str(len(original)).encode() if k == b"content-length" else v) for k, v in headers]
         response = self.response = await app.upstream.send(self.scope["method"], url, headers, original, t)
         return response
 
-    async def _respond(self, response: httpcore.Response, silence: asyncio.Timeout) -> None:
+    async def _respond(self, response: Connection, silence: asyncio.Timeout) -> None:
         t, settings = self.t, self.app.settings
         t.status_code = response.status
         if response.status >= 400:
@@ -240,12 +237,12 @@ class Exchange:
         self.started = True
         await self.send({"type": "http.response.start", "status": status, "headers": headers})
 
-    async def _stream(self, response: httpcore.Response, decoder: SSEDecoder | None, silence: asyncio.Timeout | None) -> None:
+    async def _stream(self, response: Connection, decoder: SSEDecoder | None, silence: asyncio.Timeout | None) -> None:
         """The hot loop: timestamp, forward, then note what the bytes meant."""
         t, send, rewrite, json_body = self.t, self.send, self.rewrite, self.json_body
         loop, idle = asyncio.get_running_loop(), self.app.settings.read_timeout
-        kept, decoding = 0, bool(t.content_ns)
-        async for chunk in response.aiter_stream():
+        kept, decoding, read = 0, bool(t.content_ns), response.read
+        while chunk := await read():
             now = now_ns()
             if decoding and silence is not None:  # after the first token, the (shorter) inter-chunk limit
                 silence.reschedule(loop.time() + idle)
@@ -319,10 +316,10 @@ class Exchange:
             raw = raw.replace(event.data, without_engine_fields(event.data), 1)
         return raw
 
-    async def _buffered(self, response: httpcore.Response, out_headers: list[tuple[bytes, bytes]]) -> None:
+    async def _buffered(self, response: Connection, out_headers: list[tuple[bytes, bytes]]) -> None:
         """Non-streaming with --strip-engine-fields: the body is rewritten whole, then sent."""
         t = self.t
-        parts = [part async for part in response.aiter_stream()]
+        parts = [part async for part in response.iter_body()]
         t.upstream_end_ns = now_ns()
         self.json_body = parts
         body = without_engine_fields(b"".join(parts))

@@ -57,7 +57,7 @@ class RequestTiming:
     model: str = "unknown"
     stream: bool = False
     body_end_ns: int | None = None  # the client's request body fully read
-    # upstream exchange (httpcore trace events and our DNS step)
+    # upstream exchange (stamped by upstream.py at each step)
     issued_ns: int | None = None
     first_event_ns: int | None = None
     dns_start_ns: int | None = None

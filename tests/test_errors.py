@@ -2,8 +2,9 @@
 import socket
 import ssl
 
-import httpcore
 import orjson
+
+from proxy import errors as transport
 
 from proxy.errors import UpstreamDNSError, UpstreamTLSError, map_transport_error
 
@@ -16,21 +17,22 @@ def caused(exc, cause):
 
 
 def test_dns_and_tls_are_named():
-    dns = map_transport_error(caused(httpcore.ConnectError("x"), socket.gaierror(-2, "Name or service not known")), "u")
+    dns = map_transport_error(caused(transport.ConnectError("x"), socket.gaierror(-2, "Name or service not known")), "u")
     assert isinstance(dns, UpstreamDNSError) and dns.status == 502
-    tls = map_transport_error(caused(httpcore.ConnectError("x"), ssl.SSLCertVerificationError("bad cert")), "u")
+    tls = map_transport_error(caused(transport.ConnectError("x"), ssl.SSLCertVerificationError("bad cert")), "u")
     assert isinstance(tls, UpstreamTLSError) and tls.status == 502
 
 
 def test_timeouts_are_504_and_refusals_502():
-    assert map_transport_error(httpcore.ConnectTimeout("t"), "u").status == 504
-    assert map_transport_error(httpcore.ReadTimeout("t"), "u").status == 504
-    refused = map_transport_error(caused(httpcore.ConnectError("x"), ConnectionRefusedError(111, "refused")), "u")
+    assert map_transport_error(transport.ConnectTimeout("t"), "u").status == 504
+    assert map_transport_error(transport.PoolTimeout("t"), "u").status == 504
+    assert map_transport_error(transport.WriteTimeout("t"), "u").status == 504
+    refused = map_transport_error(caused(transport.ConnectError("x"), ConnectionRefusedError(111, "refused")), "u")
     assert refused.status == 502 and refused.code == "upstream_connect_error"
 
 
 def test_body_is_openai_shaped():
-    error = map_transport_error(httpcore.ReadTimeout("slow"), "127.0.0.1:9")
+    error = map_transport_error(transport.ConnectTimeout("slow"), "127.0.0.1:9")
     body = orjson.loads(error.body())
     assert set(body["error"]) >= {"message", "type", "code"}
     assert body["error"]["code"] == "upstream_timeout" and "127.0.0.1:9" in body["error"]["message"]

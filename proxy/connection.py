@@ -1,0 +1,198 @@
+"""One HTTP/1.1 connection to the upstream: an asyncio Protocol feeding httptools' response parser.
+
+Why not httpcore: per read it took an anyio lock and cancel scope and ran h11's pure-Python
+parser, which made the proxy's upstream side cost more CPU per relayed chunk than everything else
+(bench/RESULTS.md). Here a read is one call into llhttp (C) and a deque append. No timer is armed
+per read: the relay's own deadline (`asyncio.timeout_at`) bounds every wait on the body.
+
+The parser decodes chunked transfer encoding; each HTTP chunk stays its own piece, so nothing is
+coalesced. When the consumer falls behind (a slow client), reading pauses at `HIGH_WATER` bytes
+and the kernel's buffers push back on the upstream, as they would without a proxy.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import AsyncIterator
+
+import httptools
+
+from .errors import ReadError, RemoteProtocolError, WriteError
+
+HIGH_WATER = 256 * 1024  # bytes buffered for a slow consumer before reading pauses
+LOW_WATER = 64 * 1024
+
+
+class Connection(asyncio.Protocol):
+    """A keep-alive connection; one request at a time. `expires_at` is a loop.time() instant."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.expires_at = 0.0
+        self.closed = False
+        self.error: Exception | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._drained: asyncio.Future[None] | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.headers_done = False
+        self.complete = False
+        self.keep_alive = False
+        self.length_known = False  # content-length or chunked: the end is in the bytes, not at EOF
+        self._body: deque[bytes] = deque()
+        self._buffered = 0
+        self._paused = False
+
+    # -- asyncio.Protocol -------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._fail(RemoteProtocolError("the upstream switched protocols"))
+        except httptools.HttpParserError as exc:
+            self._fail(RemoteProtocolError(f"malformed HTTP response: {exc}"))
+        if self._buffered > HIGH_WATER and not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def eof_received(self) -> bool:
+        if self.headers_done and not self.complete and not self.length_known:
+            self.complete = True  # a body delimited by the connection's end (no length, not chunked)
+        self._wake()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self.headers_done and not self.complete and not self.length_known and exc is None:
+            self.complete = True
+        if not self.complete and self.error is None:
+            detail = f": {exc}" if exc else ""
+            self.error = (ReadError if exc else RemoteProtocolError)(f"the upstream closed the connection mid-response{detail}")
+        self._wake()
+        self.resume_writing()  # a sender waiting to drain sees `closed`
+
+    def pause_writing(self) -> None:
+        if self._drained is None:
+            self._drained = self.loop.create_future()
+
+    def resume_writing(self) -> None:
+        drained, self._drained = self._drained, None
+        if drained is not None and not drained.done():
+            drained.set_result(None)
+
+    # -- httptools callbacks ----------------------------------------------------------------
+    def on_header(self, name: bytes, value: bytes) -> None:
+        name = name.lower()
+        if name == b"content-length" or (name == b"transfer-encoding" and b"chunked" in value.lower()):
+            self.length_known = True
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        self.headers_done = True
+        self._wake()
+
+    def on_body(self, body: bytes) -> None:
+        self._body.append(body)
+        self._buffered += len(body)
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+        self.keep_alive = self.parser.should_keep_alive()
+        self._wake()
+
+    # -- used by the pool and the relay -----------------------------------------------------
+    def _fail(self, error: Exception) -> None:
+        if self.error is None:
+            self.error = error
+        self.close()
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def _wait(self) -> None:
+        self._waiter = self.loop.create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    def write(self, head: bytes, body: bytes) -> bool:
+        """Hand the request to the transport; True when the caller must `drain` (a big body)."""
+        self._reset()
+        transport = self.transport
+        if transport is None or self.closed or transport.is_closing():
+            raise WriteError("the upstream connection is closed")
+        if len(body) < 16384:
+            transport.write(head + body)
+        else:
+            transport.writelines((head, body))
+        return self._drained is not None
+
+    async def drain(self) -> None:
+        while self._drained is not None:
+            await asyncio.shield(self._drained)
+        if self.closed and not self.headers_done:  # (an early answer, e.g. a 413, is still read)
+            raise WriteError("the upstream connection closed while sending")
+
+    async def response_head(self) -> None:
+        while not self.headers_done:
+            if self.error is not None:
+                raise self.error
+            if self.complete or self.closed:
+                raise RemoteProtocolError("the upstream closed the connection without a response")
+            await self._wait()
+
+    def head_only(self) -> None:
+        """A HEAD response has no body, whatever its content-length says."""
+        self.complete, self.keep_alive = True, False
+
+    async def read(self) -> bytes:
+        """The next piece of the body as it came off the wire; b"" at its end."""
+        while True:
+            if self._body:
+                data = self._body.popleft()
+                self._buffered -= len(data)
+                if self._paused and self._buffered < LOW_WATER and self.transport is not None:
+                    self._paused = False
+                    self.transport.resume_reading()
+                return data
+            if self.complete:
+                return b""
+            if self.error is not None:
+                raise self.error
+            if self.closed:
+                raise ReadError("the upstream connection closed")
+            await self._wait()
+
+    async def iter_body(self) -> AsyncIterator[bytes]:
+        while data := await self.read():
+            yield data
+
+    def reusable(self, now: float) -> bool:
+        """Whole response read, server keeps it open, nothing unexpected arrived, not expired."""
+        return (self.complete and self.keep_alive and not self.closed and not self._body and self.error is None
+                and self.transport is not None and not self.transport.is_closing() and now < self.expires_at)
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+    def abort(self) -> None:
+        """Mid-response: drop the connection now (an engine such as vLLM aborts the generation)."""
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()

@@ -106,7 +106,7 @@ def rows(src: str, sim: str) -> Iterator[tuple[str, str, str]]:
         time.sleep(0.2)
         httpx.post(f"{p}/v1/chat/completions", json={"model": "sim-7b", "messages": MSG, "max_tokens": 2}, timeout=10)
         holder.join()
-        seconds = metric(p, "llmproxy_phase_seconds_sum", stream="false")
+        seconds = metric(p, "llmproxy_phase_seconds_total", stream="false") or metric(p, "llmproxy_phase_seconds_sum", stream="false")
         yield ("pool timeout (0.3 s) beside a successful stream", f"{seconds:.2f} s of errors in llmproxy_phase_seconds", "0 s: errors kept apart")
     with proxy(src, sim, "--first-token-timeout", "1") as p:
         start = time.monotonic()

@@ -88,13 +88,13 @@ def build() -> dict:
     per_request = f"scalar(sum(rate(llmproxy_request_duration_seconds_count{{{SEL}}}[{RI}])))"
     d = d.with_row(Row("Where the time goes"))
     d = d.with_panel(ts("Mean seconds per request, by phase", "s", [
-        q(f"sum by (phase) (rate(llmproxy_phase_seconds_sum{{{SEL}}}[{RI}])) / {per_request}", "{{phase}}", "A")], 0, 1,
+        q(f"sum by (phase) (rate(llmproxy_phase_seconds_total{{{SEL}}}[{RI}])) / {per_request}", "{{phase}}", "A")], 0, 1,
         description=("Stacked, successful requests: the phases sum to the mean end-to-end duration. decode dominates short prompts; "
                      "prefill dominates very long ones. client is the client's own upload; reasoning is a reasoning model's hidden "
                      "reasoning (an estimate: hidden tokens / the request's decode rate). Failed requests are on 'Requests by outcome and code'."),
         stack=StackingMode.NORMAL))
     d = d.with_panel(ts("Share of total time, by phase", "percentunit", [
-        q(f"sum by (phase) (rate(llmproxy_phase_seconds_sum{{{SEL}}}[{RI}])) / scalar(sum(rate(llmproxy_request_duration_seconds_sum{{{SEL}}}[{RI}])))", "{{phase}}", "A")],
+        q(f"sum by (phase) (rate(llmproxy_phase_seconds_total{{{SEL}}}[{RI}])) / scalar(sum(rate(llmproxy_request_duration_seconds_sum{{{SEL}}}[{RI}])))", "{{phase}}", "A")],
         12, 1, stack=StackingMode.NORMAL))
 
     d = d.with_row(Row("Latency"))
@@ -112,10 +112,10 @@ def build() -> dict:
            .description("Gap between consecutive content chunks divided by the tokens in the later chunk."))
     d = d.with_panel(itl)
     d = d.with_panel(ts("Inter-chunk gap vs inter-token latency", "s", [
-        q(f"histogram_quantile(0.5, sum by (le) (rate(llmproxy_inter_chunk_latency_seconds_bucket{{{SEL}}}[{RI}])))", "chunk gap p50", "A"),
-        q(f"histogram_quantile(0.5, sum by (le) (rate(llmproxy_inter_token_latency_seconds_bucket{{{SEL}}}[{RI}])))", "per token p50", "B"),
-        q(f"histogram_quantile(0.99, sum by (le) (rate(llmproxy_inter_chunk_latency_seconds_bucket{{{SEL}}}[{RI}])))", "chunk gap p99", "C"),
-    ], 8, 27, w=8, description="Equal when the engine streams one token per chunk; a chunk gap larger than the token latency means several tokens per chunk."))
+        q(f"sum(rate(llmproxy_inter_chunk_latency_seconds_sum{{{SEL}}}[{RI}])) / sum(rate(llmproxy_inter_chunk_latency_seconds_count{{{SEL}}}[{RI}]))", "chunk gap mean", "A"),
+        q(f"sum(rate(llmproxy_inter_token_latency_seconds_sum{{{SEL}}}[{RI}])) / sum(rate(llmproxy_inter_token_latency_seconds_count{{{SEL}}}[{RI}]))", "per token mean", "B"),
+        q(f"histogram_quantile(0.99, sum by (le) (rate(llmproxy_inter_token_latency_seconds_bucket{{{SEL}}}[{RI}])))", "per token p99", "C"),
+    ], 8, 27, w=8, description="Means are equal when the engine streams one token per chunk; a chunk gap larger than the token latency means several tokens per chunk. The p99 shows stalls."))
     d = d.with_panel(ts("Prefill tokens per second, per request", "short", [
         q(f"histogram_quantile(0.5, sum by (le) (rate(llmproxy_prefill_tokens_per_second_bucket{{{SEL}}}[{RI}])))", "p50", "A"),
         q(f"histogram_quantile(0.1, sum by (le) (rate(llmproxy_prefill_tokens_per_second_bucket{{{SEL}}}[{RI}])))", "p10", "B"),
@@ -147,7 +147,8 @@ def build() -> dict:
         q(f"sum by (outcome, code) (rate(llmproxy_requests_total{{{SEL}}}[{RI}]))", "{{outcome}} {{code}}", "A")], 0, 54, w=8))
     d = d.with_panel(stat.Panel().title("In flight").datasource(DS).grid_pos(GridPos(h=8, w=4, x=8, y=54))
                      .with_target(q(f"sum(llmproxy_requests_in_flight{{{UP}}})", "in flight", "A")))
-    d = d.with_panel(ts("Proxy's own overhead (phase proxy)", "s", quantiles("llmproxy_phase_seconds", f'{SEL}, phase="proxy"')[::2], 12, 54, w=6))
+    d = d.with_panel(ts("Proxy's own overhead (phase proxy)", "s", quantiles("llmproxy_proxy_overhead_seconds", 'upstream=~"$upstream", endpoint=~"$endpoint"')[::2], 12, 54, w=6,
+                        description="Not by model: the proxy's own time does not depend on it."))
     d = d.with_panel(ts("Telemetry errors", "short", [
         q(f"sum by (component) (rate(llmproxy_telemetry_errors_total[{RI}]))", "{{component}}", "A")], 18, 54, w=6,
         description="Failures inside metrics, tracing, tokenizer or records. Requests were unaffected, but numbers may be missing."))

@@ -5,6 +5,8 @@ proxy's own endpoints (`/metrics`, `/healthz`, `/llmproxy/requests`) are a small
 """
 from __future__ import annotations
 
+import asyncio
+
 import hmac
 import logging
 import os
@@ -115,7 +117,9 @@ class ProxyApp:
 
         @app.get("/metrics")
         async def scrape(request: Request) -> Response:
-            body, content_type = metrics.render(request.headers.get("accept", ""))
+            # In a thread: rendering thousands of series must not hold the event loop (and the
+            # streams on it) for the whole render; the GIL still switches every 5 ms.
+            body, content_type = await asyncio.to_thread(metrics.render, request.headers.get("accept", ""))
             return Response(body, media_type=content_type)
 
         @app.get("/llmproxy/requests")

@@ -29,6 +29,8 @@ def defined_series() -> set[str]:
     for d in METRICS:
         if d.kind == "histogram":
             names |= {f"{d.name}_bucket", f"{d.name}_sum", f"{d.name}_count"}
+        elif d.kind == "summary":
+            names |= {f"{d.name}_sum", f"{d.name}_count"}
         else:
             names.add(d.exposed)
     return names

@@ -1,6 +1,9 @@
 """Metrics from one finished request, read back from a fresh registry."""
 import re
+import sys
+from pathlib import Path
 
+import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -27,22 +30,24 @@ def test_request_counter_and_histograms():
     assert registry.get_sample_value("llmproxy_requests_total", {**base, "outcome": "ok", "code": "200"}) == 1
     assert registry.get_sample_value("llmproxy_time_to_first_token_seconds_sum", base) == pytest.approx(0.210)
     assert registry.get_sample_value("llmproxy_time_to_first_token_seconds_bucket", {**base, "le": "0.2"}) == 0
-    assert registry.get_sample_value("llmproxy_time_to_first_token_seconds_bucket", {**base, "le": "0.3"}) == 1
+    assert registry.get_sample_value("llmproxy_time_to_first_token_seconds_bucket", {**base, "le": "0.5"}) == 1
     assert registry.get_sample_value("llmproxy_decode_tokens_per_second_sum", base) == pytest.approx(100.0)
     assert registry.get_sample_value("llmproxy_inter_token_latency_seconds_count", base) == 2
-    assert registry.get_sample_value("llmproxy_phase_seconds_sum", {**base, "phase": "prefill"}) == pytest.approx(0.2)
+    assert registry.get_sample_value("llmproxy_phase_seconds_total", {**base, "phase": "prefill"}) == pytest.approx(0.2)
+    assert registry.get_sample_value("llmproxy_proxy_overhead_seconds_count", {"upstream": UP, "endpoint": "chat", "stream": "true"}) == 1
     assert registry.get_sample_value("llmproxy_upstream_connect_seconds_count", {"upstream": UP, "step": "tls"}) == 1
     assert registry.get_sample_value("llmproxy_upstream_connections_total", {"upstream": UP, "reused": "false"}) == 1
     assert registry.get_sample_value("llmproxy_tokens_total", {"model": "m", "upstream": UP, "kind": "prompt", "source": "usage"}) == 1000
     assert registry.get_sample_value("llmproxy_tokenize_seconds_count", {"model": "m", "kind": "prompt"}) == 1
 
 
-def test_buckets_resolve_sub_millisecond_and_reach_minutes():
-    for d in METRICS:
-        if d.name in ("llmproxy_request_duration_seconds", "llmproxy_phase_seconds"):
-            assert d.buckets[0] <= 0.0001 and d.buckets[-1] >= 300
-        if d.name == "llmproxy_decode_tokens_per_second":
-            assert d.buckets[0] == 1 and d.buckets[-1] == 10000
+def test_alert_thresholds_are_bucket_bounds():
+    """Each alert compares a quantile with a threshold: a bound there makes the comparison exact."""
+    buckets = {d.name: d.buckets for d in METRICS}
+    assert 20.0 in buckets["llmproxy_decode_tokens_per_second"]  # LLMDecodeSpeedLow: p50 < 20 tok/s
+    assert 5.0 in buckets["llmproxy_time_to_first_token_seconds"]  # LLMTimeToFirstTokenHigh: p95 > 5 s
+    assert 0.01 in buckets["llmproxy_proxy_overhead_seconds"]  # LLMProxyOverheadHigh: p99 > 10 ms
+    assert buckets["llmproxy_proxy_overhead_seconds"][0] <= 0.0001 and buckets["llmproxy_request_duration_seconds"][-1] >= 300
 
 
 def test_model_labels_are_capped():
@@ -82,3 +87,21 @@ def test_observe_many_equals_observing_one_by_one():
         assert one.get_sample_value("h_bucket", {"le": bound}) == many.get_sample_value("h_bucket", {"le": bound}), bound
     assert one.get_sample_value("h_sum") == pytest.approx(many.get_sample_value("h_sum"))
     assert one.get_sample_value("h_count") == many.get_sample_value("h_count") == len(values)
+
+
+@pytest.mark.e2e
+def test_series_at_the_model_cap(proxy):
+    """100 models x chat/completions x streaming/not through the real proxy: one scrape stays
+    under 20,000 series and 3 MB, with no _created series and no engine-only children."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import scrape
+
+    assert scrape.fill_to_the_cap(proxy.url) == 400
+    body = httpx.get(f"{proxy.url}/metrics").content
+    series = scrape.series(body)
+    assert 15_000 < series <= 20_000, series  # the lower bound: the 400 label sets really are there
+    assert len(body) <= 3_000_000
+    assert b"_created" not in body
+    assert b"llmproxy_engine_" not in body.replace(b"# HELP llmproxy_engine_", b"").replace(b"# TYPE llmproxy_engine_", b"")
+    requests = [line for line in body.splitlines() if line.startswith(b"llmproxy_requests_total{")]
+    assert len(requests) == 400 and all(b'outcome="ok"' in line for line in requests)

@@ -1,0 +1,72 @@
+"""What one scrape of /metrics costs at the model cap: series, bytes, and time to render.
+
+    .venv/bin/python bench/scrape.py                 # this checkout
+    .venv/bin/python bench/scrape.py --src /tmp/old  # another checkout (git worktree), same harness
+
+A proxy (from `--src`) in front of the simulator receives one successful request per label set at
+the default cap: 100 models x chat/completions x streaming/not (400 requests, TTFT 0, 3 tokens
+each), then /metrics is fetched `--scrapes` times. Series = sample lines of the text exposition.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from proxy.demo import free_port, serve_command, started  # noqa: E402
+
+FAST = {"x-sim-ttft-ms": "0", "x-sim-decode-tps": "10000"}
+
+
+def fill_to_the_cap(base: str, models: int = 100) -> int:
+    """One ok request per (model, endpoint, stream) label set; returns how many were sent."""
+    sent = 0
+    with httpx.Client(base_url=base, timeout=30, headers=FAST) as client:
+        for i in range(models):
+            model = f"model-{i:03d}"
+            for stream in (True, False):
+                chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": stream}
+                completion = {"model": model, "prompt": "hi", "max_tokens": 3, "stream": stream}
+                for path, body in (("/v1/chat/completions", chat), ("/v1/completions", completion)):
+                    response = client.post(path, json=body)
+                    response.raise_for_status()
+                    sent += 1
+    return sent
+
+
+def series(exposition: bytes) -> int:
+    return sum(1 for line in exposition.splitlines() if line and not line.startswith(b"#"))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--src", default=str(Path(__file__).resolve().parent.parent))
+    parser.add_argument("--scrapes", type=int, default=7)
+    args = parser.parse_args()
+    sim_port, port = free_port(), free_port()
+    sim = [sys.executable, "-m", "proxy", "simulate", "--port", str(sim_port)]
+    with started([], f"http://127.0.0.1:{sim_port}/health", None, command=sim, quiet=True):
+        command = serve_command(args.src, "serve", "--upstream", f"http://127.0.0.1:{sim_port}/v1", "--port", str(port))
+        with started([], f"http://127.0.0.1:{port}/healthz", None, command=command, quiet=True):
+            base = f"http://127.0.0.1:{port}"
+            sent = fill_to_the_cap(base)
+            times, body = [], b""
+            for _ in range(args.scrapes):
+                began = time.perf_counter()
+                body = httpx.get(f"{base}/metrics").content
+                times.append(time.perf_counter() - began)
+    print(f"src: {args.src}; requests: {sent}")
+    print("| series | MB | scrape ms (median of %d) | llmproxy_*_created series |" % args.scrapes)
+    print("|---|---|---|---|")
+    created = sum(1 for line in body.splitlines() if b"_created" in line and not line.startswith(b"#"))
+    print(f"| {series(body):,} | {len(body) / 1e6:.2f} | {statistics.median(times) * 1000:.1f} | {created:,} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -50,9 +50,14 @@ $(LITELLM_VENV)/.installed:
 	$(LITELLM_VENV)/bin/python -m pip install --quiet 'litellm[proxy]==1.108.7' prometheus_client
 	touch $@
 
+# BEFORE=DIR adds this proxy from another checkout (e.g. `git worktree add /tmp/before <commit>`)
+# to the same run, for a before/after.
+BEFORE ?=
 bench: $(STAMP) $(LITELLM_VENV)/.installed
-	$(PY) -m pip install --quiet matplotlib
-	LITELLM_PYTHON=$(LITELLM_VENV)/bin/python $(PY) bench/compare.py --out bench/results.json --plot bench/compare.png
+	$(PY) -m pip install --quiet matplotlib aiohttp
+	LITELLM_PYTHON=$(LITELLM_VENV)/bin/python $(PY) bench/compare.py --out bench/results.json --plot bench/compare.png $(if $(BEFORE),--before $(BEFORE))
+	$(PY) bench/clients.py
+	$(PY) bench/scrape.py
 	$(PY) bench/overhead.py --pairs 300
 
 soak: $(STAMP)

@@ -4,9 +4,12 @@ and through LiteLLM's proxy, on the same fixed simulator schedule, all on loopba
     make bench        # = .venv/bin/python bench/compare.py --out bench/results.json --plot bench/compare.png
 
 Scenarios: (A) sequential single stream, direct and system requests interleaved in pairs;
-(B) concurrency sweep of 1, 16, 64, 256 streams; (C) non-streaming requests per second. Figures:
-added TTFT, inter-token-latency distortion (system gap - direct gap), proxy CPU per 1,000 chunks
-(from /proc), peak RSS, and the saturation point (added TTFT p50 above 5 ms).
+(B) concurrency sweep of 1, 16, 64, 128, 256 streams (closed loop); (D) bursts of 64 streams started
+at once; (C) non-streaming requests per second. Figures: added TTFT, inter-token-latency
+distortion (system gap - direct gap), proxy CPU per relayed chunk at 1 and 64 streams (per-request
+work included; from /proc/PID/task/*/schedstat, nanoseconds, every thread), peak RSS, and the
+saturation point (added TTFT p50 above 5 ms). `--before DIR` adds this proxy run from another
+checkout (a git worktree) with the default flags, for a before/after in the same run.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rawclient import Connection  # noqa: E402
 
-from proxy.demo import free_port, started  # noqa: E402
+from proxy.demo import free_port, serve_command, started  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 LITELLM_PYTHON = os.environ.get("LITELLM_PYTHON", str(ROOT / ".venv-litellm" / "bin" / "python"))
@@ -78,8 +81,14 @@ class Sink:
 
 
 def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU time of every live thread of `pid` (the span exporter's included), in ns resolution."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (OSError, IndexError, ValueError):
+            pass  # a thread that just ended
+    return total / 1e9
 
 
 def peak_rss_mb(pid: int) -> float:
@@ -140,6 +149,19 @@ async def concurrent(target: tuple[int, str], streams: int, seconds: float) -> d
     return {"ttft": ttfts, "gaps": gaps, "chunks": chunks, "seconds": elapsed}
 
 
+async def burst(target: tuple[int, str], streams: int, rounds: int) -> dict[str, Any]:
+    """`streams` requests started at once, `rounds` times (connections kept between rounds)."""
+    conns = [Connection("127.0.0.1", target[0], target[1], {"authorization": f"Bearer {KEY}"}) for _ in range(streams)]
+    ttfts: list[float] = []
+    for _ in range(rounds):
+        results = await asyncio.gather(*(conn.stream(body(SWEEP_TOKENS)) for conn in conns))
+        ttfts.extend(arrivals[0] - start for start, arrivals, status in results if status == 200 and arrivals)
+        await asyncio.sleep(0.2)
+    for conn in conns:
+        conn.close()
+    return {"ttft": ttfts}
+
+
 async def non_streaming(target: tuple[int, str], seconds: float, concurrency: int = 16) -> dict[str, Any]:
     latencies: list[float] = []
     deadline = time.perf_counter() + seconds
@@ -158,7 +180,8 @@ async def non_streaming(target: tuple[int, str], seconds: float, concurrency: in
 
 
 def summarise(name: str, seq: dict[str, list[float]], sweep: dict[int, dict[str, Any]], direct_sweep: dict[int, dict[str, Any]],
-              rps: dict[str, Any], direct_rps: dict[str, Any], cpu_per_k: float | None, rss: float | None) -> dict[str, Any]:
+              rps: dict[str, Any], direct_rps: dict[str, Any], cpu: dict[int, float], rss: float | None,
+              bursts: dict[str, Any], direct_bursts: dict[str, Any]) -> dict[str, Any]:
     row: dict[str, Any] = {"system": name}
     ms = lambda v: round(v * 1000, 3)  # noqa: E731
     row["seq_added_ttft_p50_ms"] = ms(pct(seq["added_ttft"], 0.5))
@@ -180,38 +203,47 @@ def summarise(name: str, seq: dict[str, list[float]], sweep: dict[int, dict[str,
     row["rps_non_streaming"] = round(rps["rps"], 1)
     row["rps_direct"] = round(direct_rps["rps"], 1)
     row["non_streaming_added_p50_ms"] = ms(pct(rps["latency"], 0.5) - pct(direct_rps["latency"], 0.5))
-    row["cpu_us_per_chunk"] = round(cpu_per_k * 1000, 2) if cpu_per_k is not None else None
+    for streams, seconds_per_chunk in cpu.items():
+        row[f"cpu_us_per_chunk_c{streams}"] = round(seconds_per_chunk * 1e6, 2)
+    row["burst_added_ttft_p50_ms"] = ms(pct(bursts["ttft"], 0.5) - pct(direct_bursts["ttft"], 0.5))
+    row["burst_added_ttft_p99_ms"] = ms(pct(bursts["ttft"], 0.99) - pct(direct_bursts["ttft"], 0.99))
     row["peak_rss_mb"] = round(rss, 1) if rss is not None else None
     return row
 
 
 def run_system(target: tuple[int, str], pid: int | None, direct: tuple[int, str], args: argparse.Namespace,
-               direct_sweep: dict[int, dict[str, Any]], direct_rps: dict[str, Any], name: str) -> dict[str, Any]:
+               direct_sweep: dict[int, dict[str, Any]], direct_rps: dict[str, Any], direct_bursts: dict[str, Any], name: str) -> dict[str, Any]:
     print(f"[{name}] sequential pairs", flush=True)
     schedule(SEQ_SCHEDULE)
     seq = asyncio.run(sequential(direct, target, args.pairs))
     schedule(SWEEP_SCHEDULE)
     sweep = {}
-    cpu_per_k = None
+    cpu: dict[int, float] = {}
     for streams in args.sweep:
         print(f"[{name}] {streams} streams", flush=True)
         before = cpu_seconds(pid) if pid else 0.0
         sweep[streams] = asyncio.run(concurrent(target, streams, args.seconds))
-        if pid and streams == 16:
-            cpu_per_k = (cpu_seconds(pid) - before) / max(1, sweep[streams]["chunks"]) * 1000
+        if pid and streams in (1, 16, 64):
+            cpu[streams] = (cpu_seconds(pid) - before) / max(1, sweep[streams]["chunks"])
+    print(f"[{name}] bursts of {args.burst}", flush=True)
+    bursts = asyncio.run(burst(target, args.burst, args.burst_rounds))
     print(f"[{name}] non-streaming", flush=True)
     schedule({"ttft_ms": 0.0})
     rps = asyncio.run(non_streaming(target, args.seconds))
     schedule(SWEEP_SCHEDULE)
-    return summarise(name, seq, sweep, direct_sweep, rps, direct_rps, cpu_per_k, peak_rss_mb(pid) if pid else None)
+    return summarise(name, seq, sweep, direct_sweep, rps, direct_rps, cpu, peak_rss_mb(pid) if pid else None, bursts, direct_bursts)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--pairs", type=int, default=100)
     parser.add_argument("--seconds", type=float, default=6.0, help="per concurrency level and for the RPS run")
-    parser.add_argument("--sweep", type=int, nargs="+", default=[1, 16, 64, 256])
-    parser.add_argument("--systems", nargs="+", default=["metrics-only", "spans", "events", "off", "litellm"])
+    parser.add_argument("--sweep", type=int, nargs="+", default=[1, 16, 64, 128, 256])
+    parser.add_argument("--burst", type=int, default=64, help="streams started at once")
+    parser.add_argument("--burst-rounds", type=int, default=8)
+    parser.add_argument("--systems", nargs="+", default=["metrics-only", "off", "before", "litellm"],
+                        help="metrics-only, off (the defaults: tracing on, no per-token stamps), events, spans, before, litellm")
+    parser.add_argument("--before", default="", help="checkout to run as the system 'before' (default flags, tracing on)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--plot", type=Path)
     args = parser.parse_args()
@@ -229,6 +261,7 @@ def main() -> int:
         schedule({"ttft_ms": 0.0})
         direct_rps = asyncio.run(non_streaming(direct, args.seconds))
         schedule(SWEEP_SCHEDULE)
+        direct_bursts = asyncio.run(burst(direct, args.burst, args.burst_rounds))
         ideal_ttft = SWEEP_SCHEDULE["ttft_ms"] / 1000
         rows.append({"system": "direct", **{f"c{s}_ttft_p50_ms": round(pct(r["ttft"], 0.5) * 1000, 3) for s, r in direct_sweep.items()},
                      **{f"c{s}_itl_p50_ms": round(pct(r["gaps"], 0.5) * 1000, 3) for s, r in direct_sweep.items()},
@@ -238,13 +271,17 @@ def main() -> int:
         for name in args.systems:
             port = free_port()
             if name == "litellm":
-                rows.append(run_litellm(port, sim_port, direct, args, direct_sweep, direct_rps))
+                rows.append(run_litellm(port, sim_port, direct, args, direct_sweep, direct_rps, direct_bursts))
                 continue
-            flags = ["--token-spans", name] if name != "metrics-only" else []
+            if name == "before" and not args.before:
+                continue
+            flags = ["--token-spans", name] if name not in ("metrics-only", "before") else []
             env = {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.url} if name != "metrics-only" else {}
-            cmd = [py, "-m", "proxy", "serve", "--upstream", f"http://127.0.0.1:{sim_port}/v1", "--port", str(port), *flags]
+            src = args.before if name == "before" else str(ROOT)
+            cmd = serve_command(src, "serve", "--upstream", f"http://127.0.0.1:{sim_port}/v1", "--port", str(port), *flags)
+            label = f"before ({args.before}), tracing on" if name == "before" else f"llm-latency-proxy {name}"
             with process(cmd, f"http://127.0.0.1:{port}/healthz", env) as proc:
-                rows.append(run_system((port, "/v1"), proc.pid, direct, args, direct_sweep, direct_rps, f"llm-latency-proxy {name}"))
+                rows.append(run_system((port, "/v1"), proc.pid, direct, args, direct_sweep, direct_rps, direct_bursts, label))
     report = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}", "args": vars(args) | {"out": str(args.out), "plot": str(args.plot)},
               "rows": rows}
     print(json.dumps(report, indent=1))
@@ -256,7 +293,7 @@ def main() -> int:
 
 
 def run_litellm(port: int, sim_port: int, direct: tuple[int, str], args: argparse.Namespace,
-                direct_sweep: dict[int, dict[str, Any]], direct_rps: dict[str, Any]) -> dict[str, Any]:
+                direct_sweep: dict[int, dict[str, Any]], direct_rps: dict[str, Any], direct_bursts: dict[str, Any]) -> dict[str, Any]:
     config = Path(tempfile.mkdtemp()) / "litellm.yaml"
     config.write_text(
         "model_list:\n  - model_name: sim-7b\n    litellm_params:\n      model: openai/sim-7b\n"
@@ -265,7 +302,7 @@ def run_litellm(port: int, sim_port: int, direct: tuple[int, str], args: argpars
     env = {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR", "DISABLE_SCHEMA_UPDATE": "true"}
     cmd = [LITELLM_PYTHON, "-m", "litellm.proxy.proxy_cli", "--config", str(config), "--host", "127.0.0.1", "--port", str(port), "--num_workers", "1"]
     with process(cmd, f"http://127.0.0.1:{port}/health/liveliness", env, {"authorization": f"Bearer {KEY}"}) as proc:
-        return run_system((port, "/v1"), proc.pid, direct, args, direct_sweep, direct_rps, "litellm 1.108.7")
+        return run_system((port, "/v1"), proc.pid, direct, args, direct_sweep, direct_rps, direct_bursts, "litellm 1.108.7")
 
 
 def plot(rows: list[dict[str, Any]], sweep: list[int], path: Path) -> None:

@@ -1,9 +1,9 @@
 """OpenTelemetry spans built from the timing record, with explicit start and end times.
 
-Two spans are opened when the request starts, only because their ids must exist early: the SERVER
-span (its parent is the app's incoming `traceparent`) and the CLIENT `upstream.request` span (its
-context goes upstream as `traceparent`, so vLLM's spans join the trace). Everything else is
-created at finalize from recorded instants: the hot loop never touches tracing.
+When the request starts only ids are fixed, because two must exist early: the SERVER span's (its
+parent is the app's incoming `traceparent`) and the CLIENT `upstream.request` span's (its context
+goes upstream as `traceparent`, so vLLM's spans join the trace). Every span is built once, at
+finish, from recorded instants: the hot loop never touches tracing.
 """
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ from typing import Any, Callable, Sequence
 
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace import Event, ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from .config import Settings
@@ -22,6 +23,8 @@ from .timing import Breakdown, RequestTiming
 
 OPERATIONS = {"chat": "chat", "completions": "text_completion", "embeddings": "embeddings", "other": "proxy"}
 _PROPAGATOR = TraceContextTextMapPropagator()
+_SCOPE = InstrumentationScope("llm-latency-proxy")
+_UNSET = Status(StatusCode.UNSET)
 
 
 class CountingExporter(SpanExporter):
@@ -65,84 +68,124 @@ def build_tracer_provider(settings: Settings, on_error: Callable[[str], None]) -
 
 
 class RequestSpans:
-    __slots__ = ("server", "upstream")
+    """One request's trace ids, fixed when it starts (the upstream needs its `traceparent`)."""
 
-    def __init__(self, server: Any, upstream: Any) -> None:
-        self.server = server
-        self.upstream = upstream
+    __slots__ = ("trace_id_int", "parent", "server_id", "upstream_id", "flags", "trace_state", "sampled", "exported")
+
+    def __init__(self, trace_id: int, parent: SpanContext | None, server_id: int, upstream_id: int, flags: TraceFlags,
+                 trace_state: TraceState | None) -> None:
+        self.trace_id_int, self.parent, self.server_id, self.upstream_id = trace_id, parent, server_id, upstream_id
+        self.flags, self.trace_state, self.sampled = flags, trace_state, flags.sampled
+        self.exported = False
 
     @property
     def trace_id(self) -> str:
-        return format(self.server.get_span_context().trace_id, "032x")
-
-    def end(self) -> None:
-        """End both spans now if still open (a fallback when building them failed)."""
-        for span in (self.upstream, self.server):
-            if span.is_recording():
-                span.end()
+        return format(self.trace_id_int, "032x")
 
     def traceparent(self) -> bytes:
-        carrier: dict[str, str] = {}
-        _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(self.upstream))
-        return carrier["traceparent"].encode()
+        return f"00-{self.trace_id_int:032x}-{self.upstream_id:016x}-{int(self.flags):02x}".encode()
 
 
 class Tracing:
+    """Builds each request's spans once, when it finishes, as finished `ReadableSpan`s handed
+    straight to the provider's span processors (the batch exporter, or a test's in-memory one).
+
+    Why not `tracer.start_span` per span: each live SDK span takes a lock per attribute, runs the
+    processors' `on_start` and copies itself into a ReadableSpan at `end`; for spans whose every
+    instant is already known that cost about 50 µs a span, several per request, on the event loop
+    (bench/RESULTS.md). The provider's sampler still decides, once per request, at its start.
+    """
+
     def __init__(self, provider: TracerProvider | None, settings: Settings) -> None:
         self.provider = provider
-        self._tracer = provider.get_tracer("llm-latency-proxy") if provider is not None else None
         self.settings = settings
         _, self.host, self.port, _ = settings.upstream_parts
+        self.started = 0  # sampled requests whose spans are owed to the processors
+        self.exported = 0
+        if provider is not None:
+            self._ids = provider.id_generator
+            self._sampler = provider.sampler
+            self._resource = provider.resource
+            # The SDK's one handle on its processors (a TracerProvider has no public getter).
+            self._processor = provider._active_span_processor
 
     @property
     def enabled(self) -> bool:
-        return self._tracer is not None
-
-    @property
-    def tracer(self) -> trace.Tracer:
-        """Only called with tracing enabled (the relay asks `enabled` first)."""
-        assert self._tracer is not None
-        return self._tracer
+        return self.provider is not None
 
     def start(self, headers: dict[str, str], t: RequestTiming, wall_ns: int) -> RequestSpans:
-        parent = _PROPAGATOR.extract(headers)
-        server = self.tracer.start_span(f"{OPERATIONS[t.endpoint]} {t.model}", context=parent, kind=SpanKind.SERVER, start_time=wall_ns)
-        ctx = trace.set_span_in_context(server)
-        upstream = self.tracer.start_span("upstream.request", context=ctx, kind=SpanKind.CLIENT, start_time=wall_ns)
-        return RequestSpans(server, upstream)
+        """Only called with tracing enabled. Ids and the sampling decision; no span objects yet."""
+        context = _PROPAGATOR.extract(headers)
+        parent: SpanContext | None = trace.get_current_span(context).get_span_context()
+        if parent is None or not parent.is_valid:
+            parent = None
+            trace_id = self._ids.generate_trace_id()
+            random_id = self._ids.is_trace_id_random()
+        else:
+            trace_id = parent.trace_id
+            random_id = parent.trace_flags.random_trace_id
+        result = self._sampler.should_sample(context, trace_id, f"{OPERATIONS[t.endpoint]} {t.model}", SpanKind.SERVER)
+        flags = TraceFlags.SAMPLED if result.decision.is_sampled() else TraceFlags.DEFAULT
+        flags |= TraceFlags.RANDOM_TRACE_ID if random_id else 0
+        spans = RequestSpans(trace_id, parent, self._ids.generate_span_id(), self._ids.generate_span_id(), TraceFlags(flags),
+                             result.trace_state)
+        if spans.sampled:
+            self.started += 1
+        return spans
 
     def finish(self, spans: RequestSpans, t: RequestTiming, b: Breakdown | None, offset_ns: int) -> None:
-        """Attributes and child spans from the record; ends both open spans (also when the split failed)."""
+        """Every span of the request, from the record; the SERVER and CLIENT spans go out even when
+        building the rest failed."""
+        if not spans.sampled or spans.exported:
+            return
+        spans.exported = True
         wall = lambda ns: ns + offset_ns  # noqa: E731 - monotonic instant to epoch ns
         end_ns = t.response_end_ns or t.received_ns
-        server, upstream = spans.server, spans.upstream
+        out: list[ReadableSpan] = []
+        server_attrs: dict[str, Any] = {}
+        status = _UNSET
         try:
-            server.update_name(f"{OPERATIONS[t.endpoint]} {t.model}")
             if t.outcome != "ok":
-                server.set_status(Status(StatusCode.ERROR, t.outcome))
-                server.set_attribute("error.type", t.error or t.outcome)
-            upstream.set_attributes({"server.address": self.host, "server.port": self.port, "http.response.status_code": t.status_code})
+                status = Status(StatusCode.ERROR, t.outcome)
+                server_attrs["error.type"] = t.error or t.outcome
             if b is not None:
-                server.set_attributes(self._attributes(t, b))
-                self._children(spans, t, b, wall)
+                server_attrs.update(self._attributes(t, b))
+                self._children(out, spans, t, b, wall)
         finally:
-            upstream.end(end_time=wall(t.upstream_end_ns or end_ns))
-            server.end(end_time=wall(end_ns))
+            upstream_attrs = {"server.address": self.host, "server.port": self.port, "http.response.status_code": t.status_code}
+            out.append(self._span(spans, "upstream.request", spans.upstream_id, spans.server_id, wall(t.received_ns),
+                                  wall(t.upstream_end_ns or end_ns), upstream_attrs, kind=SpanKind.CLIENT))
+            out.append(self._span(spans, f"{OPERATIONS[t.endpoint]} {t.model}", spans.server_id, None, wall(t.received_ns),
+                                  wall(end_ns), server_attrs, kind=SpanKind.SERVER, status=status))
+            for span in out:
+                self._processor.on_end(span)
+            self.exported += 1
 
-    def _children(self, spans: RequestSpans, t: RequestTiming, b: Breakdown, wall: Callable[[int], int]) -> None:
-        tracer = self.tracer
-        server_ctx = trace.set_span_in_context(spans.server)
-        up_ctx = trace.set_span_in_context(spans.upstream)
+    def _span(self, spans: RequestSpans, name: str, span_id: int, parent_id: int | None, start: int, end: int,
+              attributes: dict[str, Any] | None = None, kind: SpanKind = SpanKind.INTERNAL, status: Status = _UNSET,
+              events: Sequence[Event] = ()) -> ReadableSpan:
+        trace_id = spans.trace_id_int
+        if parent_id is not None:
+            parent: SpanContext | None = SpanContext(trace_id, parent_id, False, spans.flags, spans.trace_state)
+        else:
+            parent = spans.parent  # the app's own span (remote), or none: a root
+        return ReadableSpan(
+            name, SpanContext(trace_id, span_id, False, spans.flags, spans.trace_state), parent, self._resource,
+            {k: v for k, v in attributes.items() if v is not None} if attributes else {}, events, (), kind, None, status,
+            start, end, _SCOPE)
+
+    def _children(self, out: list[ReadableSpan], spans: RequestSpans, t: RequestTiming, b: Breakdown, wall: Callable[[int], int]) -> None:
+        new_id = self._ids.generate_span_id
+        server_id = spans.server_id
         if t.tcp_start_ns is not None:
             connect_start = t.dns_start_ns or t.tcp_start_ns
             connect_end = t.tls_end_ns or t.tcp_end_ns or connect_start
-            conn = tracer.start_span("upstream.connect", context=up_ctx, start_time=wall(connect_start))
-            conn_ctx = trace.set_span_in_context(conn)
+            conn_id = new_id()
             steps = (("dns", t.dns_start_ns, t.dns_end_ns), ("tcp", t.dns_end_ns or t.tcp_start_ns, t.tcp_end_ns), ("tls", t.tls_start_ns, t.tls_end_ns))
             for name, start, end in steps:
                 if start is not None and end is not None:
-                    tracer.start_span(name, context=conn_ctx, start_time=wall(start)).end(end_time=wall(end))
-            conn.end(end_time=wall(connect_end))
+                    out.append(self._span(spans, name, new_id(), conn_id, wall(start), wall(end)))
+            out.append(self._span(spans, "upstream.connect", conn_id, spans.upstream_id, wall(connect_start), wall(connect_end)))
         # Server-side steps, laid back to back where they happen: ending at the first token
         # (streaming) or starting when the request was sent (non-streaming).
         order = ("tokenize", "queue", "reasoning", "prefill") if t.content_ns else ("tokenize", "queue", "prefill", "decode", "server")
@@ -154,39 +197,40 @@ class Tracing:
             if name not in b.phases or (name == "tokenize" and t.tokenize_prompt_s is None):
                 continue
             end = at + int(b.phases[name] * 1e9)
-            span = tracer.start_span(name, context=server_ctx, start_time=wall(at))
+            attrs: dict[str, Any] | None = None
             if name == "tokenize":
-                span.set_attributes({"gen_ai.usage.input_tokens": t.prompt_tokens or 0, "llmproxy.estimate": True,
-                                     "llmproxy.description": "the proxy's tokenizer CPU time for this prompt, standing for the server's own tokenization"})
+                attrs = {"gen_ai.usage.input_tokens": t.prompt_tokens or 0, "llmproxy.estimate": True,
+                         "llmproxy.description": "the proxy's tokenizer CPU time for this prompt, standing for the server's own tokenization"}
             elif name == "reasoning":
-                span.set_attributes({"llmproxy.estimate": True, "llmproxy.reasoning.hidden_tokens": t.hidden_reasoning_tokens,
-                                     "llmproxy.description": "hidden reasoning tokens / this request's measured decode rate"})
-            span.end(end_time=wall(end))
+                attrs = {"llmproxy.estimate": True, "llmproxy.reasoning.hidden_tokens": t.hidden_reasoning_tokens,
+                         "llmproxy.description": "hidden reasoning tokens / this request's measured decode rate"}
+            out.append(self._span(spans, name, new_id(), server_id, wall(at), wall(end), attrs))
             at = end
         if t.content_ns:
-            first = t.content_ns[0]
-            decode = tracer.start_span("decode", context=server_ctx, start_time=wall(first))
-            if b.decode_tokens_per_second is not None:
-                decode.set_attribute("llmproxy.decode_tokens_per_second", b.decode_tokens_per_second)
-            self._chunks(decode, t, wall)
-            decode.end(end_time=wall(t.upstream_end_ns or max(t.content_ns)))
+            decode_id = new_id()
+            events = self._chunks(out, spans, decode_id, t, wall)
+            out.append(self._span(spans, "decode", decode_id, server_id, wall(t.content_ns[0]), wall(t.upstream_end_ns or max(t.content_ns)),
+                                  {"llmproxy.decode_tokens_per_second": b.decode_tokens_per_second}, events=events))
 
-    def _chunks(self, decode: Any, t: RequestTiming, wall: Callable[[int], int]) -> None:
+    def _chunks(self, out: list[ReadableSpan], spans: RequestSpans, decode_id: int, t: RequestTiming,
+                wall: Callable[[int], int]) -> list[Event]:
+        """Per-token stamps (--token-spans): events on the decode span, or one span per chunk."""
         mode = self.settings.token_spans
         if mode == "off":
-            return
+            return []
         tokens = t.chunk_tokens or [1.0] * len(t.content_ns)
         choices = t.content_choice or [0] * len(t.content_ns)
-        ctx = trace.set_span_in_context(decode)
+        events: list[Event] = []
         previous: dict[int, int] = {}
         for index, (instant, count, choice) in enumerate(zip(t.content_ns, tokens, choices)):
             attrs = {"llmproxy.chunk.index": index, "llmproxy.chunk.tokens": count, "llmproxy.chunk.choice": choice}
             if mode == "events":
-                decode.add_event("chunk", attrs, timestamp=wall(instant))
+                events.append(Event("chunk", attrs, timestamp=wall(instant)))
             else:
                 start = previous.get(choice, instant)
-                self.tracer.start_span("chunk", context=ctx, start_time=wall(start), attributes=attrs).end(end_time=wall(instant))
+                out.append(self._span(spans, "chunk", self._ids.generate_span_id(), decode_id, wall(start), wall(instant), attrs))
             previous[choice] = instant
+        return events
 
     def _attributes(self, t: RequestTiming, b: Breakdown) -> dict[str, Any]:
         attrs: dict[str, Any] = {

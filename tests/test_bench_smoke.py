@@ -25,9 +25,13 @@ def test_bench_smoke(sim):
         seq = asyncio.run(compare.sequential((sim.port, "/v1"), (port, "/v1"), 10))
         compare.schedule(compare.SWEEP_SCHEDULE)
         sweep = asyncio.run(compare.concurrent((port, "/v1"), 8, 2.0))
+        bursts = asyncio.run(compare.burst((port, "/v1"), 8, 2))
+        cpu = compare.cpu_seconds(proxy.process.pid)
     finally:
         httpx.post(f"{sim.url}/sim/config", json={"ttft_ms": -1.0, "decode_tps": 100.0})
         proxy.stop()
     assert len(seq["added_ttft"]) == 10  # every pair complete: all 20 tokens relayed each time
     assert statistics.median(seq["added_ttft"]) < 0.050
     assert sweep["chunks"] >= 8 * 100 and sweep["chunks"] % 100 == 0  # whole streams only, no chunk lost
+    assert len(bursts["ttft"]) == 16 and all(0.015 < ttft < 1.0 for ttft in bursts["ttft"])
+    assert cpu > 0.1  # the proxy's threads' CPU, read from schedstat: it relayed ~1,000 chunks

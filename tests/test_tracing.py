@@ -75,3 +75,33 @@ def test_events_mode_and_off_mode():
     assert [e.name for e in by_name["decode"].events] == ["chunk"] * 3
     _, spans, _ = run("off")
     assert not [s for s in spans if s.name == "chunk"]
+
+
+def test_an_unsampled_parent_is_respected_and_still_propagated():
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing = Tracing(provider, Settings(upstream="http://10.0.0.5:8000/v1"))
+    t = streaming_record()
+    spans = tracing.start({"traceparent": INCOMING[:-2] + "00"}, t, t.received_ns + OFFSET)
+    version, trace_id, span_id, flags = spans.traceparent().decode().split("-")
+    assert trace_id == INCOMING.split("-")[1] and span_id != INCOMING.split("-")[2] and int(flags, 16) & 1 == 0
+    tracing.finish(spans, t, split(t), OFFSET)
+    assert exporter.get_finished_spans() == () and tracing.started == tracing.exported == 0
+
+
+def test_a_failing_split_still_sends_the_server_and_client_spans():
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing = Tracing(provider, Settings(upstream="http://10.0.0.5:8000/v1"))
+    t = streaming_record()
+    spans = tracing.start({}, t, t.received_ns + OFFSET)
+    t.content_ns[0] = "not an instant"  # type: ignore[call-overload]  # building the children raises
+    with pytest.raises(TypeError):
+        tracing.finish(spans, t, split(streaming_record()), OFFSET)
+    names = {s.name: s.kind.name for s in exporter.get_finished_spans()}
+    assert names["upstream.request"] == "CLIENT" and names["chat m"] == "SERVER" and "decode" not in names
+    assert tracing.started == tracing.exported == 1
+    root = next(s for s in exporter.get_finished_spans() if s.kind == SpanKind.SERVER)
+    assert root.parent is None and root.context.trace_id == int(spans.trace_id, 16)

@@ -18,12 +18,9 @@ import asyncio
 import json
 import os
 import platform
-import statistics
 import sys
 import tempfile
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -61,23 +58,41 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+SINK_CODE = """
+import sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+class Handler(BaseHTTPRequestHandler):
+    def do_POST(self):
+        self.rfile.read(int(self.headers["content-length"]))
+        self.send_response(200)
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+"""
+
+
 class Sink:
-    """Accepts OTLP/HTTP exports and drops them: the proxy's exporter has somewhere to send."""
+    """Accepts OTLP/HTTP exports and drops them, in its own process: in the load generator's
+    process its thread would compete for the GIL with the client that timestamps every chunk."""
 
     def __init__(self) -> None:
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802
-                self.rfile.read(int(self.headers["content-length"]))
-                self.send_response(200)
-                self.send_header("content-length", "0")
-                self.end_headers()
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self._process = started([], f"{self.url}/", None, command=[sys.executable, "-c", SINK_CODE, str(port)], quiet=True)
+        self._process.__enter__()
 
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+    def close(self) -> None:
+        self._process.__exit__(None, None, None)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -252,6 +267,13 @@ def main() -> int:
     direct = (sim_port, "/v1")
     rows = []
     sink = Sink()
+    try:
+        return run_all(args, py, sim_port, direct, rows, sink)
+    finally:
+        sink.close()
+
+
+def run_all(args: argparse.Namespace, py: str, sim_port: int, direct: tuple[int, str], rows: list[dict[str, Any]], sink: Sink) -> int:
     global SIM_URL
     SIM_URL = f"http://127.0.0.1:{sim_port}"
     with process([py, "-m", "proxy", "simulate", "--port", str(sim_port)], f"http://127.0.0.1:{sim_port}/health"):

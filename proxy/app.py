@@ -45,12 +45,12 @@ class ProxyApp:
         self.settings = settings
         multiprocess = multiprocess_enabled()
         self.metrics = ProxyMetrics(registry or CollectorRegistry(), settings.max_models, multiprocess)
+        self.offload = Offload()
         if tracer_provider is None:
-            tracer_provider = build_tracer_provider(settings, self.metrics.telemetry_error)
+            tracer_provider = build_tracer_provider(settings, self.metrics.telemetry_error, self.offload)
         self.tracer_provider = tracer_provider
         if tokenizer is None and settings.tokenize:
             tokenizer = Tokenizer(settings.default_encoding)
-        self.offload = Offload()
         self.telemetry = Telemetry(settings, self.metrics, Tracing(tracer_provider, settings), tokenizer, self.offload)
         self.upstream = Upstream(settings)
         self._auth = f"Bearer {settings.upstream_api_key}".encode() if settings.upstream_api_key else None

@@ -10,12 +10,15 @@
   `BIG_BODY_BYTES` are read in a one-process pool that sends back a small summary, never the
   parsed document (for a request: its small keys and its prompt as texts, counted at finish in the
   same worker). The worker starts with the proxy, in the background.
+- Encoding OTLP spans holds the GIL too: the span processor's batches are encoded and sent from
+  the same worker (export.py).
 """
 from __future__ import annotations
 
 import asyncio
 import multiprocessing
-from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable, TypeVar
 
 from .chunk import BodyInfo, read_json_body
@@ -91,6 +94,21 @@ class Offload:
             self.start_worker()
         assert self._process is not None
         return await asyncio.get_running_loop().run_in_executor(self._process, fn, *args)
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        """From any thread (the span processor's): run `fn` in the worker; a crashed worker is replaced."""
+        for attempt in (1, 2):
+            if self._process is None:
+                self.start_worker()
+            pool = self._process
+            assert pool is not None
+            try:
+                return pool.submit(fn, *args)
+            except BrokenProcessPool:
+                if attempt == 2:
+                    raise
+                self._process = None
+        raise AssertionError("unreachable")
 
     def start_worker(self) -> None:
         """Start the worker process now, in the background (about 0.3 s of CPU, ~27 MB; ~100 MB once

@@ -8,7 +8,7 @@ finish, from recorded instants: the hot loop never touches tracing.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
@@ -19,7 +19,11 @@ from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, Trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from .config import Settings
+from .export import WorkerExporter
 from .timing import Breakdown, RequestTiming
+
+if TYPE_CHECKING:
+    from .offload import Offload
 
 OPERATIONS = {"chat": "chat", "completions": "text_completion", "embeddings": "embeddings", "other": "proxy"}
 _PROPAGATOR = TraceContextTextMapPropagator()
@@ -50,20 +54,26 @@ class CountingExporter(SpanExporter):
         return self.inner.force_flush(timeout_millis)
 
 
-def build_tracer_provider(settings: Settings, on_error: Callable[[str], None]) -> TracerProvider | None:
-    """A provider exporting OTLP/HTTP when an endpoint is configured, else None (tracing off)."""
+def build_tracer_provider(settings: Settings, on_error: Callable[[str], None], offload: Offload | None = None) -> TracerProvider | None:
+    """A provider exporting OTLP/HTTP when an endpoint is configured, else None (tracing off). With
+    an offload worker, batches are encoded and sent from it (export.py), off this process's GIL."""
     env_endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
     if not (settings.otlp_endpoint or env_endpoint):
         return None
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-    if settings.otlp_endpoint:
-        exporter = OTLPSpanExporter(endpoint=settings.otlp_endpoint.rstrip("/") + "/v1/traces")
+    endpoint = settings.otlp_endpoint.rstrip("/") + "/v1/traces" if settings.otlp_endpoint else ""
+    exporter: SpanExporter
+    if offload is not None:
+        exporter = WorkerExporter(offload, endpoint)
     else:
-        exporter = OTLPSpanExporter()  # reads the standard OTEL_EXPORTER_OTLP_* variables
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        exporter = OTLPSpanExporter(endpoint=endpoint) if endpoint else OTLPSpanExporter()  # reads OTEL_EXPORTER_OTLP_*
     name = settings.service_name or os.environ.get("OTEL_SERVICE_NAME") or "llm-latency-proxy"
     provider = TracerProvider(resource=Resource.create({"service.name": name, "process.pid": os.getpid()}))
-    provider.add_span_processor(BatchSpanProcessor(CountingExporter(exporter, on_error)))
+    # A deeper queue than the SDK's 2,048: at thousands of requests a second, a batch in flight
+    # to the worker must not make the processor drop spans (OTEL_BSP_MAX_QUEUE_SIZE still wins).
+    queue = int(os.environ.get("OTEL_BSP_MAX_QUEUE_SIZE", "16384"))
+    provider.add_span_processor(BatchSpanProcessor(CountingExporter(exporter, on_error), max_queue_size=queue))
     return provider
 
 

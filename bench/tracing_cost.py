@@ -22,6 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import compare  # noqa: E402
 
+import httpx  # noqa: E402
+
 from proxy.demo import free_port, serve_command  # noqa: E402
 
 
@@ -63,6 +65,9 @@ def main() -> int:
                     f.setdefault("added TTFT p50, bursts (ms)", []).append(1000 * (compare.pct(bursts["ttft"], 0.5) - compare.pct(direct_burst["ttft"], 0.5)))
                     f.setdefault("added TTFT p99, bursts (ms)", []).append(1000 * (compare.pct(bursts["ttft"], 0.99) - compare.pct(direct_burst["ttft"], 0.99)))
                     f.setdefault("proxy CPU per chunk (µs)", []).append(cpu * 1e6)
+                    records = httpx.get(f"http://127.0.0.1:{ports[name]}/llmproxy/requests", params={"limit": 200}).json()
+                    f.setdefault("TTFT p50 as the proxy measured it (ms)", []).append(
+                        1000 * statistics.median(r["ttft_s"] for r in records if r.get("ttft_s") is not None))
                 print(f"round {round_ + 1}/{args.rounds} done", flush=True)
     print(f"src: {args.src}; {args.streams} streams, {args.rounds} interleaved rounds of {args.seconds} s; medians over rounds")
     print("| figure | metrics only | tracing on | tracing / metrics only |")

@@ -89,6 +89,7 @@ class ProxyApp:
         try:
             yield
         finally:
+            await self.telemetry.drain()  # every finished request exported before the exporters stop
             self.upstream.aclose()
             if self.tracer_provider is not None:
                 self.tracer_provider.shutdown()

@@ -100,7 +100,7 @@ class Exchange:
                 app.upstream.release(self.response)  # mid-body: aborts the connection, so vLLM stops
             if t.response_end_ns is None:
                 t.response_end_ns = now_ns()
-            await app.telemetry.finish(self.ctx)
+            app.telemetry.finish(self.ctx)
 
     async def _watch(self, task: asyncio.Task[Any]) -> None:
         while True:

@@ -1,13 +1,15 @@
 """The one boundary between a request and its telemetry.
 
 The relay makes two calls: `start(ctx)` when the request goes upstream and `finish(ctx)` exactly
-once, from the relay's one `finally`, whatever the ending. `finish` completes the counts
+once, from the relay's one `finally`, whatever the ending. `finish` drops the in-flight gauge and
+queues the request; the finisher task, one request per turn of the event loop, completes the counts
 (usage, engine, tokenizer), computes the split once, and hands the context to each sink
 (metrics, spans, records, request log) inside `_guard`: a failure is logged once per component,
 counted in `llmproxy_telemetry_errors_total{component}`, and never reaches the client.
 """
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 from contextlib import contextmanager
@@ -155,6 +157,8 @@ class Telemetry:
         self.sinks: tuple[Sink, ...] = (MetricsSink(metrics, self.upstream), SpansSink(tracing), self.records_sink)
         self.in_flight = metrics.in_flight(self.upstream)
         self._logged: set[str] = set()
+        self._backlog: collections.deque[RequestContext] = collections.deque()
+        self._finisher: asyncio.Task[None] | None = None
 
     @property
     def records(self) -> collections.deque[dict[str, Any]]:
@@ -191,8 +195,14 @@ class Telemetry:
                 body = ctx.request
                 t.captured_input = orjson.dumps(body.get("messages") or body.get("prompt") or body.get("input")).decode()
 
-    async def finish(self, ctx: RequestContext) -> None:
-        """Exactly once per request. The gauge drops first, synchronously, whatever happens next."""
+    def finish(self, ctx: RequestContext) -> None:
+        """Exactly once per request, from the relay's `finally`, after its last byte. The gauge drops
+        now; the rest (counts, split, sinks) is queued for the finisher task.
+
+        Why queued: requests that ended together (streams on one schedule, a burst) would otherwise
+        each run their whole finish before any other stream's next chunk or new request is looked
+        at; the finisher does one request per turn of the event loop, so ready I/O goes between.
+        """
         if ctx.finished:
             return
         ctx.finished = True
@@ -201,6 +211,23 @@ class Telemetry:
             t.in_flight = False
             with self._guard("metrics"):
                 self.in_flight.dec()
+        self._backlog.append(ctx)
+        if self._finisher is None or self._finisher.done():
+            self._finisher = asyncio.get_running_loop().create_task(self._drain_backlog())
+
+    async def drain(self) -> None:
+        """Until every finished request is exported (the server's shutdown, tests)."""
+        while self._finisher is not None and not self._finisher.done():
+            await asyncio.shield(self._finisher)
+
+    async def _drain_backlog(self) -> None:
+        backlog = self._backlog
+        while backlog:
+            await asyncio.sleep(0)  # one request per turn: ready I/O first
+            await self._complete(backlog.popleft())
+
+    async def _complete(self, ctx: RequestContext) -> None:
+        t = ctx.timing
         try:
             with self._guard("timing"):  # whatever fails, the sinks below still run
                 self._counts(ctx)

@@ -1,9 +1,9 @@
 """OTLP span export, encoded and sent from the offload worker process instead of this one.
 
 Why: the OTLP exporter builds its protobuf messages in Python, attribute by attribute, holding
-the GIL the event loop needs; at 64 streams that encoding was half of tracing's cost and most of
-its TTFT tail (bench/RESULTS.md). Here the batch processor's thread only flattens each finished
-span into plain tuples (cheap to pickle); the worker rebuilds them and runs the stock
+the GIL the event loop needs; at 64 streams that encoding was half of tracing's cost
+(bench/RESULTS.md). Here the batch processor's thread only flattens each finished span into plain
+tuples (cheap to pickle); a background worker (nice 19) rebuilds them and runs the stock
 `OTLPSpanExporter`, configured from the same settings and OTEL_EXPORTER_OTLP_* variables.
 """
 from __future__ import annotations
@@ -78,7 +78,7 @@ class WorkerExporter(SpanExporter):
             return SpanExportResult.SUCCESS
         first = spans[0]
         scope = first.instrumentation_scope
-        future = self.offload.submit(export_rows, self.endpoint, dict(first.resource.attributes),
+        future = self.offload.submit_background(export_rows, self.endpoint, dict(first.resource.attributes),
                                      (scope.name, scope.version) if scope else ("llm-latency-proxy", None), [flatten(s) for s in spans])
         ok = future.result(timeout=EXPORT_TIMEOUT_S)  # waits without the GIL; the processor's thread only
         return SpanExportResult.SUCCESS if ok else SpanExportResult.FAILURE

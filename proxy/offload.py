@@ -10,8 +10,9 @@
   `BIG_BODY_BYTES` are read in a one-process pool that sends back a small summary, never the
   parsed document (for a request: its small keys and its prompt as texts, counted at finish in the
   same worker). The worker starts with the proxy, in the background.
-- Encoding OTLP spans holds the GIL too: the span processor's batches are encoded and sent from
-  the same worker (export.py).
+- Encoding OTLP spans holds the GIL too: the span processor's batches are encoded and sent from a
+  second worker at the lowest CPU priority (export.py), so that telemetry never competes with
+  the relay for a core.
 """
 from __future__ import annotations
 
@@ -67,6 +68,16 @@ def _die_with_parent() -> None:
         pass  # elsewhere the pool's own shutdown is the only way out
 
 
+def _background_worker() -> None:
+    _die_with_parent()
+    try:
+        import os
+
+        os.nice(19)
+    except (OSError, AttributeError):
+        pass
+
+
 def summarize_response(parts: list[bytes], encoding: bytes) -> BodyInfo:
     """In the worker: what a JSON response says; its text only when it has no usage to count from."""
     info = read_json_body(b"".join(parts), encoding)
@@ -77,6 +88,7 @@ class Offload:
     def __init__(self, threads: int = 2) -> None:
         self.threads: Executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="llmproxy-offload")
         self._process: ProcessPoolExecutor | None = None
+        self._background: ProcessPoolExecutor | None = None
 
     async def thread(self, size: int, fn: Callable[..., T], *args: Any) -> T:
         if size <= INLINE_TOKENIZE_BYTES:
@@ -95,19 +107,20 @@ class Offload:
         assert self._process is not None
         return await asyncio.get_running_loop().run_in_executor(self._process, fn, *args)
 
-    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
-        """From any thread (the span processor's): run `fn` in the worker; a crashed worker is replaced."""
+    def submit_background(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        """From any thread (the span processor's): run `fn` in the background worker, a second
+        process at the lowest CPU priority (nice 19), so telemetry export takes only CPU the relay,
+        and on a shared machine the engine, leave idle. A crashed worker is replaced."""
         for attempt in (1, 2):
-            if self._process is None:
-                self.start_worker()
-            pool = self._process
-            assert pool is not None
+            if self._background is None:
+                self._background = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+                                                       initializer=_background_worker)
             try:
-                return pool.submit(fn, *args)
+                return self._background.submit(fn, *args)
             except BrokenProcessPool:
                 if attempt == 2:
                     raise
-                self._process = None
+                self._background = None
         raise AssertionError("unreachable")
 
     def start_worker(self) -> None:
@@ -133,6 +146,7 @@ class Offload:
 
     def shutdown(self) -> None:
         self.threads.shutdown(wait=False, cancel_futures=True)
-        if self._process is not None:  # waited for: an idle worker exits at once, and none is left behind
-            self._process.shutdown(wait=True, cancel_futures=True)
-            self._process = None
+        for pool in (self._process, self._background):  # waited for: an idle worker exits at once, none is left behind
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+        self._process = self._background = None

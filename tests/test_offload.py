@@ -49,3 +49,15 @@ def test_a_big_request_body_is_summarised_in_the_worker():
     assert endpoint == "chat" and view == {"model": "m", "stream": True, "stream_options": {"include_usage": 1}, "_partial": True}
     assert parts is not None and parts.texts == ["user", "x " * BIG_BODY_BYTES] and parts.fixed == 3 + 3
     assert small == ("other", None, None)
+
+
+def test_telemetry_export_runs_in_a_lowest_priority_worker():
+    import os
+
+    offload = Offload()
+    try:
+        niceness = offload.submit_background(os.nice, 0).result(timeout=60)
+        pid = offload.submit_background(os.getpid).result(timeout=60)
+    finally:
+        offload.shutdown()
+    assert niceness == 19 and pid != os.getpid()

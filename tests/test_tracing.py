@@ -15,11 +15,15 @@ OFFSET = 1_700_000_000 * 1_000_000_000
 INCOMING = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
 
-def run(mode="spans"):
+def in_memory(mode="off"):
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    tracing = Tracing(provider, Settings(upstream="http://10.0.0.5:8000/v1", token_spans=mode))
+    return exporter, Tracing(provider, Settings(upstream="http://10.0.0.5:8000/v1", token_spans=mode))
+
+
+def run(mode="spans"):
+    exporter, tracing = in_memory(mode)
     t = streaming_record()
     t.status_code, t.response_model = 200, "m-2024"
     spans = tracing.start({"traceparent": INCOMING}, t, t.received_ns + OFFSET)
@@ -78,10 +82,7 @@ def test_events_mode_and_off_mode():
 
 
 def test_an_unsampled_parent_is_respected_and_still_propagated():
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    tracing = Tracing(provider, Settings(upstream="http://10.0.0.5:8000/v1"))
+    exporter, tracing = in_memory()
     t = streaming_record()
     spans = tracing.start({"traceparent": INCOMING[:-2] + "00"}, t, t.received_ns + OFFSET)
     version, trace_id, span_id, flags = spans.traceparent().decode().split("-")
@@ -91,10 +92,7 @@ def test_an_unsampled_parent_is_respected_and_still_propagated():
 
 
 def test_a_failing_split_still_sends_the_server_and_client_spans():
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    tracing = Tracing(provider, Settings(upstream="http://10.0.0.5:8000/v1"))
+    exporter, tracing = in_memory()
     t = streaming_record()
     spans = tracing.start({}, t, t.received_ns + OFFSET)
     t.content_ns[0] = "not an instant"  # type: ignore[call-overload]  # building the children raises

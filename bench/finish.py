@@ -1,0 +1,59 @@
+"""Per-request work on the event loop at finish: the split, metrics and spans, in-process.
+
+    .venv/bin/python bench/finish.py                 # this checkout
+    .venv/bin/python bench/finish.py --src /tmp/old  # another checkout (git worktree)
+
+5,000 finished streaming records of 100 content chunks each (the test suite's record shape),
+each observed once; the span processor is a batch processor with an exporter that drops.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--src", default=str(Path(__file__).resolve().parent.parent))
+parser.add_argument("--requests", type=int, default=5000)
+args = parser.parse_args()
+sys.path.insert(0, str(Path(args.src) / "tests"))
+sys.path.insert(0, args.src)
+
+from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult  # noqa: E402
+from prometheus_client import CollectorRegistry  # noqa: E402
+from test_timing import streaming_record  # noqa: E402
+
+from proxy.config import Settings  # noqa: E402
+from proxy.metrics import ProxyMetrics  # noqa: E402
+from proxy.timing import split  # noqa: E402
+from proxy.tracing import Tracing  # noqa: E402
+
+
+class Drop(SpanExporter):
+    def export(self, spans):  # type: ignore[no-untyped-def]
+        return SpanExportResult.SUCCESS
+
+
+provider = TracerProvider()
+provider.add_span_processor(BatchSpanProcessor(Drop(), max_queue_size=1_000_000))
+tracing = Tracing(provider, Settings(upstream="http://10.0.0.5:8000/v1"))
+metrics = ProxyMetrics(CollectorRegistry())
+records = []
+for _ in range(args.requests):
+    t = streaming_record()
+    t.status_code = 200
+    t.content_ns = [210_000_000 + k * 10_000_000 for k in range(100)]
+    t.content_choice = [0] * 100
+    t.upstream_end_ns = t.content_ns[-1] + 1
+    t.response_end_ns = t.upstream_end_ns + 1
+    records.append(t)
+b = split(records[0])
+for label, work in (("the split", lambda t: split(t)),
+                    ("metrics (ProxyMetrics.observe)", lambda t: metrics.observe(t, b, "u", None)),
+                    ("spans (start + finish)", lambda t: tracing.finish(tracing.start({}, t, 0), t, b, 0))):
+    began = time.perf_counter()
+    for t in records:
+        work(t)
+    print(f"{label}: {(time.perf_counter() - began) / len(records) * 1e6:.1f} µs per request")

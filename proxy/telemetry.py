@@ -215,6 +215,11 @@ class Telemetry:
         if self._finisher is None or self._finisher.done():
             self._finisher = asyncio.get_running_loop().create_task(self._drain_backlog())
 
+    @property
+    def idle(self) -> bool:
+        """No finished request is waiting to be exported."""
+        return not self._backlog and (self._finisher is None or self._finisher.done())
+
     async def drain(self) -> None:
         """Until every finished request is exported (the server's shutdown, tests)."""
         while self._finisher is not None and not self._finisher.done():

@@ -103,8 +103,12 @@ class ProxyServer:
         return httpx.get(f"{self.url}/llmproxy/requests", params={"limit": 1000}).json()
 
     def last_record(self, timeout: float = 5.0) -> dict[str, Any]:
-        """The newest record; waits for finalize, which runs just after the last byte."""
-        return self.wait_records(1, timeout)[-1]
+        """The newest record: waits until no request is in flight or queued for export (the finish
+        runs just after the last byte, and exports from the finisher task), then for one record."""
+        deadline = time.monotonic() + timeout
+        while (self.in_flight() or not self.app.telemetry.idle) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return self.wait_records(1, max(0.0, deadline - time.monotonic()))[-1]
 
     def wait_records(self, count: int, timeout: float = 5.0) -> list[dict[str, Any]]:
         deadline = time.monotonic() + timeout

@@ -143,8 +143,13 @@ def test_client_disconnect_aborts_the_vllm_request(stack):
 
 def test_vllm_request_span_is_a_child_of_the_proxy_upstream_request(stack):
     proxy, receiver = stack["proxy"], stack["receiver"]
+    exported = len([s for s in proxy.exporter.get_finished_spans() if s.name == "upstream.request"])
     ask(proxy, 1, 8)
-    upstream = [s for s in proxy.exporter.get_finished_spans() if s.name == "upstream.request"][-1]
+    deadline = time.monotonic() + 5  # spans are built by the finisher task, just after the response
+    while len(spans := [s for s in proxy.exporter.get_finished_spans() if s.name == "upstream.request"]) == exported:
+        assert time.monotonic() < deadline, "the proxy exported no upstream.request span"
+        time.sleep(0.02)
+    upstream = spans[-1]
     trace_id = upstream.context.trace_id.to_bytes(16, "big")
     deadline = time.monotonic() + 20
     joined: list[Any] = []
@@ -164,10 +169,11 @@ def test_per_request_metrics_split_queue_and_prefill_and_cached_tokens_are_read(
     c = openai.OpenAI(base_url=proxy.v1, api_key="sk-test", max_retries=0)
     prompt = f"# request {time.monotonic_ns()}\n" + LINE * 40
     records = []
-    for _ in range(2):  # the second time the prompt's prefix is in vLLM's cache
+    before = len(proxy.records())
+    for i in range(2):  # the second time the prompt's prefix is in vLLM's cache
         list(c.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": prompt}], max_tokens=8, stream=True,
                                        temperature=0))
-        records.append(proxy.last_record())
+        records.append(proxy.wait_records(before + i + 1)[-1])
     for r in records:
         engine = r["engine"]
         assert engine["source"] == "vllm" and engine["prompt_s"] > 0 and engine["queue_s"] is not None

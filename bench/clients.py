@@ -81,7 +81,7 @@ def connection_reader(port: int) -> tuple[Reader, Callable[[], Awaitable[None]]]
         return chunks
 
     async def close() -> None:
-        upstream.aclose()
+        upstream.close()
 
     return read, close
 

@@ -90,7 +90,7 @@ class ProxyApp:
             yield
         finally:
             await self.telemetry.drain()  # every finished request exported before the exporters stop
-            self.upstream.aclose()
+            self.upstream.close()
             if self.tracer_provider is not None:
                 self.tracer_provider.shutdown()
             self.offload.shutdown()

@@ -80,13 +80,17 @@ def build_tracer_provider(settings: Settings, on_error: Callable[[str], None], o
 class RequestSpans:
     """One request's trace ids, fixed when it starts (the upstream needs its `traceparent`)."""
 
-    __slots__ = ("trace_id_int", "parent", "server_id", "upstream_id", "flags", "trace_state", "sampled", "exported")
+    __slots__ = ("trace_id_int", "parent", "server_id", "upstream_id", "flags", "trace_state", "exported")
 
     def __init__(self, trace_id: int, parent: SpanContext | None, server_id: int, upstream_id: int, flags: TraceFlags,
                  trace_state: TraceState | None) -> None:
         self.trace_id_int, self.parent, self.server_id, self.upstream_id = trace_id, parent, server_id, upstream_id
-        self.flags, self.trace_state, self.sampled = flags, trace_state, flags.sampled
+        self.flags, self.trace_state = flags, trace_state
         self.exported = False
+
+    @property
+    def sampled(self) -> bool:
+        return self.flags.sampled
 
     @property
     def trace_id(self) -> str:

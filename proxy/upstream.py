@@ -184,7 +184,7 @@ class Upstream:
         else:
             connection.abort()
 
-    def aclose(self) -> None:
+    def close(self) -> None:
         for connection in self._idle:
             connection.close()
         self._idle.clear()

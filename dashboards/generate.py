@@ -153,9 +153,22 @@ def build() -> dict:
         q(f"sum by (component) (rate(llmproxy_telemetry_errors_total[{RI}]))", "{{component}}", "A")], 18, 54, w=6,
         description="Failures inside metrics, tracing, tokenizer or records. Requests were unaffected, but numbers may be missing."))
 
+    d = d.with_panel(ts("Shed load: 503 proxy_overloaded, by reason", "reqps", [
+        q(f"sum by (reason) (rate(llmproxy_requests_rejected_total{{{UP}}}[{RI}]))", "rejected: {{reason}}", "A"),
+        q(f"sum by (reason) (rate(llmproxy_accept_pauses_total[{RI}]))", "accept paused: {{reason}}", "B"),
+        q(f"sum(llmproxy_requests_in_flight{{{UP}}}) / sum(llmproxy_max_in_flight{{{UP}}} > 0)", "in flight / --max-in-flight", "C")], 0, 62,
+        description="Requests the proxy refused itself (never the upstream's fault): max_in_flight is admission control "
+                    "(--max-in-flight), descriptors/ports/memory are exhaustion while accepting or connecting. Accept pauses: "
+                    "the listener waited 50 ms for a free descriptor while clients queued in the listen backlog."))
+    d = d.with_panel(ts("Open descriptors vs the limit", "short", [
+        q("sum by (instance) (llmproxy_open_fds)", "open {{instance}}", "A"),
+        q("sum by (instance) (llmproxy_max_fds)", "limit {{instance}}", "B")], 12, 62,
+        description="Each request holds a client and an upstream socket. The proxy raises its soft RLIMIT_NOFILE to the hard one at start; "
+                    "near the limit, new requests get 503 proxy_overloaded (reason descriptors)."))
+
     d = d.with_row(Row("Per model"))
     per_model = (
-        table.Panel().title("Per model").datasource(DS).grid_pos(GridPos(h=8, w=24, x=0, y=63))
+        table.Panel().title("Per model").datasource(DS).grid_pos(GridPos(h=8, w=24, x=0, y=71))
         .with_transformation(DataTransformerConfig(id_val="merge", options={}))
         .with_transformation(DataTransformerConfig(id_val="organize", options={"excludeByName": {"Time": True}}))
         .with_target(q(f"sum by (model) (increase(llmproxy_requests_total{{{SEL}}}[$__range]))", "requests", "A", instant=True))

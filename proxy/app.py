@@ -17,6 +17,8 @@ from fastapi import FastAPI, Request, Response
 from prometheus_client import CollectorRegistry
 from starlette.types import Receive, Scope, Send
 
+from .acceptor import ProxyLoop
+from .admission import Admission, raise_open_files_limit
 from .config import Settings
 from .errors import error_body
 from .metrics import ProxyMetrics, multiprocess_enabled
@@ -53,6 +55,8 @@ class ProxyApp:
             tokenizer = Tokenizer(settings.default_encoding)
         self.telemetry = Telemetry(settings, self.metrics, Tracing(tracer_provider, settings), tokenizer, self.offload)
         self.upstream = Upstream(settings)
+        self.admission = Admission(settings.max_in_flight)
+        self.metrics.child("llmproxy_max_in_flight", settings.upstream_label).set(settings.max_in_flight)
         self._auth = f"Bearer {settings.upstream_api_key}".encode() if settings.upstream_api_key else None
         self.client_keys = settings.client_keys()
         self.admin = self._admin_app()  # the proxy's own endpoints, on this port or --admin-port
@@ -82,6 +86,13 @@ class ProxyApp:
 
     @asynccontextmanager
     async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
+        soft = raise_open_files_limit(self.settings)[1]  # in each worker, before its listener exists
+        self.metrics.child("llmproxy_max_fds").set(soft)
+        watcher = asyncio.create_task(self._count_descriptors())
+        hook = self.metrics.overload_hook(self.settings.upstream_label)
+        loop = asyncio.get_running_loop()
+        if isinstance(loop, ProxyLoop):  # (a test may serve the app on another loop)
+            loop.hook = hook
         tokenizer = self.telemetry.tokenizer
         if tokenizer is not None:  # load the BPE tables before the first request needs them
             tokenizer.preload()
@@ -89,6 +100,7 @@ class ProxyApp:
         try:
             yield
         finally:
+            watcher.cancel()
             await self.telemetry.drain()  # every finished request exported before the exporters stop
             self.upstream.close()
             if self.tracer_provider is not None:
@@ -98,6 +110,16 @@ class ProxyApp:
                 from prometheus_client import multiprocess
 
                 multiprocess.mark_process_dead(os.getpid())
+
+    async def _count_descriptors(self) -> None:
+        """llmproxy_open_fds, once a second (in a thread: listing thousands of descriptors takes ms)."""
+        gauge = self.metrics.child("llmproxy_open_fds")
+        while True:
+            try:
+                gauge.set(await asyncio.to_thread(_open_fds))
+            except OSError:  # no /proc (not Linux), or out of descriptors for the listing itself
+                pass
+            await asyncio.sleep(1.0)
 
     def _admin_app(self) -> FastAPI:
         app = FastAPI(title="llm-latency-proxy", lifespan=self.lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -130,6 +152,10 @@ class ProxyApp:
             return records[-limit:] if limit > 0 else []
 
         return app
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd")) - 1  # (minus the listing's own)
 
 
 def create_app(settings: Settings, **kwargs: Any) -> ProxyApp:

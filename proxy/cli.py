@@ -32,7 +32,7 @@ def simulate(args: argparse.Namespace) -> int:
                        role_chunk=not args.no_role_chunk, usage_null_chunks=not args.no_usage_null,
                        deterministic=args.deterministic, seed=args.seed)
     uvicorn.run(Simulator(config), host=args.host, port=args.port, loop="uvloop", http="httptools",
-                log_level=args.log_level, access_log=False, ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
+                log_level=args.log_level, access_log=False, timeout_keep_alive=args.keep_alive_timeout, ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
     return 0
 
 
@@ -72,6 +72,8 @@ def parser() -> argparse.ArgumentParser:
     p_sim.add_argument("--deterministic", action="store_true", help="fixed `created` field for byte comparisons")
     p_sim.add_argument("--seed", type=int, default=0)
     p_sim.add_argument("--log-level", default="warning")
+    p_sim.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                       help="seconds before an idle client connection is closed (uvicorn's default 5, as vLLM; large: never)")
     p_sim.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this key (and --ssl-certfile)")
     p_sim.add_argument("--ssl-certfile", default=None)
     p_sim.set_defaults(func=simulate)

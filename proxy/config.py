@@ -48,6 +48,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("write_timeout", float, 60.0, "seconds to send the request to the upstream"),
     Option("pool_timeout", float, 30.0, "seconds to wait for a free upstream connection"),
     Option("max_connections", int, 1000, "upstream connection pool size"),
+    Option("keepalive_expiry", float, 4.0, "seconds an idle upstream connection is kept for reuse, then closed by a sweep; below the 5 s after which uvicorn (vLLM, SGLang), llama.cpp and Node close idle connections, so the proxy never sends on one the server is closing"),
+    Option("max_in_flight", int, 0, "admission control, per worker process: requests beyond this many in flight get an immediate 503 `proxy_overloaded` with Retry-After (0: off; size it from the saturation point in bench/RESULTS.md)"),
     Option("max_body_bytes", int, 32 * 1024 * 1024, "largest request body accepted (larger: 413)"),
     Option("body_timeout", float, 30.0, "seconds a client may take to send its request body (slower: 408)"),
     Option("header_timeout", float, 10.0, "seconds a client may take to send its request headers (slowloris guard)"),
@@ -102,6 +104,8 @@ class Settings:
     write_timeout: float = 60.0
     pool_timeout: float = 30.0
     max_connections: int = 1000
+    keepalive_expiry: float = 4.0
+    max_in_flight: int = 0
     max_body_bytes: int = 32 * 1024 * 1024
     body_timeout: float = 30.0
     header_timeout: float = 10.0
@@ -129,6 +133,8 @@ class Settings:
     def __post_init__(self) -> None:
         if self.admin_port and self.workers > 1:
             raise ValueError("--admin-port needs --workers 1 (protect /metrics with --admin-key instead)")
+        if self.keepalive_expiry < 0 or self.max_in_flight < 0:
+            raise ValueError("--keepalive-expiry and --max-in-flight must not be negative")
         if self.token_spans not in TOKEN_SPAN_MODES:
             raise ValueError(f"--token-spans must be one of {TOKEN_SPAN_MODES}, not {self.token_spans!r}")
         parts = urlsplit(self.upstream)

@@ -2,11 +2,14 @@
 
 Every failure the proxy itself reports becomes an OpenAI-style body
 `{"error": {"message", "type", "code", "param"}}` with a status that names the class of cause:
-502 when the upstream could not be reached or spoke garbage, 504 when it was too slow.
+502 when the upstream could not be reached or spoke garbage, 504 when it was too slow, 503 when
+the proxy itself is out of room (admission control, or out of descriptors, ephemeral ports or
+memory): that one is the proxy's, so it must never read as the upstream's fault.
 Upstream HTTP errors (4xx/5xx, 429) are not ours: they pass through unchanged.
 """
 from __future__ import annotations
 
+import errno
 import socket
 import ssl
 
@@ -23,6 +26,10 @@ class ProxyError(Exception):
 
     def body(self) -> bytes:
         return error_body(str(self) or self.code, self.type, self.code)
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        """Extra response headers (Retry-After for load shedding)."""
+        return []
 
 
 class UpstreamError(ProxyError):
@@ -69,6 +76,45 @@ class Unauthorized(ProxyError):
 
 class BadPath(ProxyError):
     status, type, code, outcome = 400, "invalid_request_error", "invalid_path", "proxy_error"
+
+
+class ProxyOverloaded(ProxyError):
+    """The proxy has no room for this request: `reason` is max_in_flight (admission control),
+    descriptors, ports or memory (exhausted while accepting or connecting)."""
+
+    status, type, code, outcome = 503, "proxy_error", "proxy_overloaded", "overloaded"
+    retry_after_s = 1
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"the proxy is overloaded ({detail}); retry after {self.retry_after_s} s")
+        self.reason = reason
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        out = [(b"retry-after", str(self.retry_after_s).encode())]
+        if self.reason != "max_in_flight":  # free this client's descriptor too
+            out.append((b"connection", b"close"))
+        return out
+
+
+# errno of a failed socket call that means the proxy's own machine is out of something.
+EXHAUSTED: dict[int, tuple[str, str]] = {
+    errno.EMFILE: ("descriptors", "no file descriptor left in the proxy process (RLIMIT_NOFILE)"),
+    errno.ENFILE: ("descriptors", "no file descriptor left on the machine (fs.file-max)"),
+    errno.EADDRNOTAVAIL: ("ports", "no local ephemeral port left to connect from"),
+    errno.ENOBUFS: ("memory", "no kernel buffer space left for a socket"),
+    errno.ENOMEM: ("memory", "out of memory"),
+}
+
+
+def exhaustion(exc: BaseException) -> ProxyOverloaded | None:
+    """The ProxyOverloaded for a failure that was the proxy's own machine running out, else None."""
+    for cause in _root_causes(exc):
+        if isinstance(cause, MemoryError):
+            return ProxyOverloaded("memory", "out of memory")
+        if isinstance(cause, OSError) and cause.errno in EXHAUSTED:
+            reason, detail = EXHAUSTED[cause.errno]
+            return ProxyOverloaded(reason, detail)
+    return None
 
 
 class TransportError(Exception):
@@ -134,6 +180,9 @@ def map_transport_error(exc: BaseException, upstream: str) -> ProxyError:
     """Translate a transport exception into the proxy's tree, naming the cause."""
     if isinstance(exc, ProxyError):
         return exc
+    overloaded = exhaustion(exc)  # never blamed on the upstream
+    if overloaded is not None:
+        return overloaded
     causes = _root_causes(exc)
     detail = str(exc) or type(exc).__name__
     if any(isinstance(c, socket.gaierror) for c in causes):

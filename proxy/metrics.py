@@ -35,6 +35,8 @@ RTT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
 BASE = ("model", "upstream", "endpoint", "stream")
 # Telemetry components, initialised to 0 so dashboards and alerts see the series before any error.
 COMPONENTS = ("metrics", "tracing", "tokenizer", "records", "timing", "otlp_export")
+# Why the proxy itself answered 503 proxy_overloaded (errors.EXHAUSTED holds the exhaustion ones).
+REJECT_REASONS = ("max_in_flight", "descriptors", "ports", "memory")
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,11 @@ class MetricDef:
 METRICS: tuple[MetricDef, ...] = (
     MetricDef("llmproxy_requests", "counter", "Finished requests by outcome (ok, upstream_error, client_disconnect, client_slow, timeout, proxy_error) and HTTP status. The latency metrics below describe the ok ones.", BASE + ("outcome", "code")),
     MetricDef("llmproxy_requests_in_flight", "gauge", "Requests being relayed now.", ("upstream",)),
+    MetricDef("llmproxy_max_in_flight", "gauge", "The admission cap, --max-in-flight, summed over worker processes (0: no cap).", ("upstream",)),
+    MetricDef("llmproxy_requests_rejected", "counter", "Requests the proxy answered 503 proxy_overloaded itself, by reason: max_in_flight (admission control), descriptors, ports, memory (exhausted while accepting or connecting). Never the upstream's fault.", ("upstream", "reason")),
+    MetricDef("llmproxy_open_fds", "gauge", "Open file descriptors of the proxy's processes (sampled every second).", ()),
+    MetricDef("llmproxy_max_fds", "gauge", "The open files limit (RLIMIT_NOFILE soft limit, after the proxy raised it to the hard one), summed over worker processes.", ()),
+    MetricDef("llmproxy_accept_pauses", "counter", "Times the listener stopped accepting for 50 ms because the process was out of descriptors (or memory); clients waited in the listen backlog.", ("reason",)),
     MetricDef("llmproxy_request_duration_seconds", "histogram", "End to end: request received by the proxy to the last byte relayed (successful requests).", BASE, DURATION_BUCKETS),
     MetricDef("llmproxy_time_to_first_token_seconds", "histogram", "First content chunk of any choice minus request received by the proxy (successful streaming requests).", BASE, TTFT_BUCKETS),
     MetricDef("llmproxy_inter_token_latency_seconds", "histogram", "Per choice: gap between consecutive content chunks divided by the tokens in the later chunk.", BASE, GAP_BUCKETS),
@@ -148,7 +155,8 @@ class ProxyMetrics:
         key = (name, *labels)
         bound = self._bound.get(key)
         if bound is None:
-            bound = self._bound[key] = self.m[name].labels(*labels)
+            metric = self.m[name]
+            bound = self._bound[key] = metric.labels(*labels) if labels else metric
         return bound
 
     def in_flight(self, upstream: str) -> Any:
@@ -164,6 +172,8 @@ class ProxyMetrics:
         stream = "true" if t.stream else "false"
         child = self.child
         child("llmproxy_requests", model, upstream, t.endpoint, stream, t.outcome, str(t.status_code)).inc()
+        if t.outcome == "overloaded":
+            child("llmproxy_requests_rejected", upstream, t.error.rpartition(":")[2]).inc()
         for step, seconds in (b.connect.items() if b is not None else ()):
             child("llmproxy_upstream_connect_seconds", upstream, step).observe(seconds)
         if t.rtt_s is not None:
@@ -202,6 +212,20 @@ class ProxyMetrics:
         for phase, seconds in b.phases.items():
             child("llmproxy_phase_seconds", *key, phase).inc(max(0.0, seconds))
         child("llmproxy_proxy_overhead_seconds", upstream, t.endpoint, stream).observe(b.phases.get("proxy", 0.0))
+
+    def overload_hook(self, upstream: str) -> Any:
+        """For the listener (acceptor.py): count its pauses and the connections it refused. The
+        series start at 0, so the dashboard and LLMProxySaturated see them before any overload."""
+        for reason in REJECT_REASONS:
+            self.child("llmproxy_requests_rejected", upstream, reason)
+        for reason in ("descriptors", "memory"):
+            self.child("llmproxy_accept_pauses", reason)
+        def hook(event: str, reason: str) -> None:
+            if event == "paused":
+                self.child("llmproxy_accept_pauses", reason).inc()
+            else:
+                self.child("llmproxy_requests_rejected", upstream, reason).inc()
+        return hook
 
     def render(self, accept: str) -> tuple[bytes, str]:
         """The exposition for GET /metrics (OpenMetrics with exemplars when asked for)."""

@@ -18,13 +18,14 @@ from starlette.types import Receive, Scope, Send
 from .chunk import DONE, Chunk, parse_chunk, strip_usage_null, without_engine_fields
 from .config import Settings
 from .engine import from_llamacpp, from_tgi, from_vllm
-from .errors import ProxyError, TransportError, UpstreamTimeout, map_transport_error
+from .errors import ProxyError, ProxyOverloaded, TransportError, UpstreamTimeout, map_transport_error
 from .request import ClientGone, check_request, filter_headers, header, read_body, usage_injected_body
 from .sse import Event, SSEDecoder
 from .telemetry import RequestContext
 from .timing import RequestTiming, now_ns
 
 if TYPE_CHECKING:
+    from .admission import Admission
     from .connection import Connection
     from .offload import Offload
     from .telemetry import Telemetry
@@ -44,6 +45,7 @@ class AppView(Protocol):
     upstream: Upstream
     offload: Offload
     client_keys: tuple[str, ...]
+    admission: Admission
 
     def upstream_headers(self, headers: list[tuple[bytes, bytes]], length: int) -> list[tuple[bytes, bytes]]: ...
 
@@ -73,7 +75,10 @@ class Exchange:
         task = asyncio.current_task()
         assert task is not None
         watcher: asyncio.Task[None] | None = None
+        admitted = False
         try:
+            app.admission.enter()  # over --max-in-flight: an immediate 503, before the body is read
+            admitted = True
             check_request(self.scope, app.client_keys)
             body = await read_body(self.scope, self.receive, app.settings)
             t.body_end_ns = now_ns()
@@ -89,10 +94,14 @@ class Exchange:
             t.outcome, t.status_code = "client_disconnect", t.status_code or 499
         except ProxyError as error:
             await self._fail(error)
+        except MemoryError:
+            await self._fail(ProxyOverloaded("memory", "out of memory"))
         except Exception:  # a bug of ours: the client gets a clean 500, the request is still finished
             log.exception("unexpected error while relaying")
             await self._fail(ProxyError("internal proxy error"))
         finally:
+            if admitted:
+                app.admission.leave()
             self.relaying = False
             if watcher is not None:
                 watcher.cancel()
@@ -330,11 +339,15 @@ class Exchange:
     async def _fail(self, error: ProxyError) -> None:
         t = self.t
         t.outcome, t.status_code, t.error = error.outcome, error.status, error.code
-        log.warning("%s", error)
+        if isinstance(error, ProxyOverloaded):
+            t.error = f"{error.code}:{error.reason}"
+        else:  # (shedding load is not worth a log line per request: it is counted)
+            log.warning("%s", error)
         if self.started or self.client_gone:
             return
         body = error.body()
-        await self._start(error.status, [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())])
+        await self._start(error.status, [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                         *error.headers()])
         t.response_end_ns = now_ns()
         await self.send({"type": "http.response.body", "body": body, "more_body": False})
 

@@ -4,7 +4,8 @@ uvicorn bounds idle keep-alive connections but not the time a client takes to se
 headers, so a client trickling one header byte a second holds a connection forever (slowloris).
 `GuardedHttpTools` closes a connection whose headers are not complete `--header-timeout` seconds
 after it opened or after its request began. On SIGTERM uvicorn stops accepting connections at
-once and lets in-flight requests finish for `--shutdown-grace` seconds.
+once and lets in-flight requests finish for `--shutdown-grace` seconds. The event loop is uvloop
+with our own listener (`acceptor.py`).
 """
 from __future__ import annotations
 
@@ -64,7 +65,8 @@ GuardedHttpTools.header_timeout = float(os.environ.get(HEADER_TIMEOUT_ENV, Guard
 
 
 def uvicorn_options(settings: Settings) -> dict[str, Any]:
-    return {"loop": "uvloop", "http": GuardedHttpTools, "log_level": settings.log_level, "access_log": False,
+    # uvloop with our own listener, which never resets a client when descriptors run out (acceptor.py).
+    return {"loop": "proxy.acceptor:new_event_loop", "http": GuardedHttpTools, "log_level": settings.log_level, "access_log": False,
             "timeout_graceful_shutdown": settings.shutdown_grace, "proxy_headers": False,
             # The upstream's own Date and Server headers pass through; adding ours would duplicate them.
             "server_header": False, "date_header": False}
@@ -103,6 +105,7 @@ def run(settings: Settings) -> None:
         admin.should_exit = True
         await admin_task
 
-    import uvloop
+    from .acceptor import new_event_loop
 
-    uvloop.run(both())
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        runner.run(both())

@@ -34,11 +34,11 @@ from .engine import EngineTimings, refine
 now_ns = time.monotonic_ns
 
 NS = 1_000_000_000
-Outcome = Literal["ok", "upstream_error", "client_disconnect", "client_slow", "timeout", "proxy_error"]
+Outcome = Literal["ok", "upstream_error", "client_disconnect", "client_slow", "timeout", "proxy_error", "overloaded"]
 Endpoint = Literal["chat", "completions", "embeddings", "other"]
 Phase = Literal["client", "proxy", "network", "tokenize", "queue", "reasoning", "prefill", "decode", "server"]
 TokenSource = Literal["usage", "engine", "tokenizer"]
-OUTCOMES: tuple[Outcome, ...] = ("ok", "upstream_error", "client_disconnect", "client_slow", "timeout", "proxy_error")
+OUTCOMES: tuple[Outcome, ...] = ("ok", "upstream_error", "client_disconnect", "client_slow", "timeout", "proxy_error", "overloaded")
 PHASES: tuple[Phase, ...] = ("client", "proxy", "network", "tokenize", "queue", "reasoning", "prefill", "decode", "server")
 
 

@@ -5,8 +5,13 @@ server). Each step is stamped here, in the one place that performs it: pool wait
 pooled connection), DNS (resolved by us, so it is timed apart from TCP), TCP connect, TLS handshake
 (`loop.start_tls` on the connected socket, so it is timed apart from TCP), request sent and
 response headers. After the headers we read the kernel's smoothed RTT for the very socket the
-request used (Linux TCP_INFO). A connection the upstream closes while idle is closed by us at once
-(the protocol sees the FIN), so none lingers in CLOSE-WAIT.
+request used (Linux TCP_INFO).
+
+Idle connections: one the upstream closes is closed by us at once (the protocol sees the FIN), so
+none lingers in CLOSE-WAIT; one idle for `--keepalive-expiry` seconds is closed by a sweep, so a
+burst's connections do not pin descriptors against an upstream that never closes idle ones. The
+idle list is LIFO (reuse the warmest), so its bottom holds the oldest: the sweep is one timer, set
+for the oldest connection's expiry, that pops expired ones off the bottom. Nothing is done per chunk.
 """
 from __future__ import annotations
 
@@ -68,9 +73,11 @@ class Upstream:
         self.connect_timeout, self.write_timeout, self.pool_timeout = settings.connect_timeout, settings.write_timeout, settings.pool_timeout
         self.ssl_context = ssl.create_default_context(cafile=settings.ca_bundle or None) if scheme == "https" else None
         self.resolver: Resolver | None = None  # None: the event loop's getaddrinfo (tests inject failures here)
-        self.keepalive_expiry = 60.0
-        # One LIFO list of idle connections; only the one about to be used is looked at.
+        self.keepalive_expiry = settings.keepalive_expiry
+        # One LIFO list of idle connections, oldest first: checkout pops the newest, the sweep
+        # closes expired ones from the front.
         self._idle: list[Connection] = []
+        self._sweep_timer: asyncio.TimerHandle | None = None
         self._slots = asyncio.Semaphore(settings.max_connections)
 
     def target(self, path: str, query: bytes) -> bytes:
@@ -179,12 +186,29 @@ class Upstream:
         connection.expires_at = now + self.keepalive_expiry
         if connection.reusable(now):
             self._idle.append(connection)
+            if self._sweep_timer is None:
+                self._sweep_timer = connection.loop.call_at(connection.expires_at, self._sweep, connection.loop)
         elif connection.complete:
             connection.close()
         else:
             connection.abort()
 
+    def _sweep(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Close the idle connections whose expiry has come (a timer may fire a hair early: 10 ms slack)."""
+        self._sweep_timer = None
+        idle, horizon = self._idle, loop.time() + 0.01
+        expired = 0
+        while expired < len(idle) and idle[expired].expires_at <= horizon:
+            idle[expired].close()
+            expired += 1
+        del idle[:expired]
+        if idle:
+            self._sweep_timer = loop.call_at(idle[0].expires_at, self._sweep, loop)
+
     def close(self) -> None:
+        if self._sweep_timer is not None:
+            self._sweep_timer.cancel()
+            self._sweep_timer = None
         for connection in self._idle:
             connection.close()
         self._idle.clear()

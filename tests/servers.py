@@ -83,7 +83,7 @@ class ProxyServer:
         provider.add_span_processor(self.spans)
         self.registry = CollectorRegistry()
         self.app = ProxyApp(self.settings, registry=self.registry, tracer_provider=provider)
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, loop="asyncio", http="httptools",
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, loop="proxy.acceptor:new_event_loop", http="httptools",
                                 timeout_graceful_shutdown=self.settings.shutdown_grace,
                                 log_level="warning", access_log=False, server_header=False, date_header=False, proxy_headers=False)
         self.server = uvicorn.Server(config)

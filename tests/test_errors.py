@@ -41,3 +41,23 @@ def test_body_is_openai_shaped():
 def test_unknown_exceptions_are_proxy_errors_without_detail_leaks():
     error = map_transport_error(RuntimeError("secret internals"), "u")
     assert error.status == 500 and "secret internals" not in error.body().decode()
+
+
+def test_the_proxy_running_out_is_503_overloaded_never_the_upstreams_fault():
+    import errno
+
+    from proxy.errors import ProxyOverloaded
+
+    for number, reason in ((errno.EMFILE, "descriptors"), (errno.ENFILE, "descriptors"), (errno.EADDRNOTAVAIL, "ports"),
+                           (errno.ENOBUFS, "memory"), (errno.ENOMEM, "memory")):
+        error = map_transport_error(caused(transport.ConnectError("x"), OSError(number, "exhausted")), "u")
+        assert isinstance(error, ProxyOverloaded) and error.reason == reason, number
+        assert error.status == 503 and error.outcome == "overloaded" and error.code == "proxy_overloaded"
+        assert "the proxy is overloaded" in orjson.loads(error.body())["error"]["message"]
+        headers = dict(error.headers())
+        assert headers[b"retry-after"] == b"1" and headers[b"connection"] == b"close"
+    assert map_transport_error(caused(transport.ConnectError("x"), MemoryError()), "u").reason == "memory"
+    shed = ProxyOverloaded("max_in_flight", "full")
+    assert b"connection" not in dict(shed.headers())  # shedding keeps the client's connection
+    refused = map_transport_error(caused(transport.ConnectError("x"), ConnectionRefusedError(111, "refused")), "u")
+    assert refused.code == "upstream_connect_error"  # a real refusal is still the upstream's

@@ -84,7 +84,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     sim = Simulator("--jitter", "0.05")
     port = free_port()
     # `localhost` (not an IP) so the DNS step is measured too.
-    proxy = Process(["serve", "--upstream", f"http://localhost:{sim.port}/v1", "--port", str(port)], f"http://127.0.0.1:{port}/healthz")
+    # --max-in-flight well above the test load: the saturation panel has a cap to divide by.
+    proxy = Process(["serve", "--upstream", f"http://localhost:{sim.port}/v1", "--port", str(port), "--max-in-flight", "64"],
+                    f"http://127.0.0.1:{port}/healthz")
     prom = Prometheus(workdir, f"127.0.0.1:{port}", test_rules)
     try:
         yield {"sim": sim, "proxy": f"http://127.0.0.1:{port}", "prom": prom}

@@ -61,6 +61,7 @@ bench: $(STAMP) $(LITELLM_VENV)/.installed
 	$(PY) bench/finish.py
 	$(PY) bench/tracing_cost.py
 	$(PY) bench/overhead.py --pairs 300
+	$(PY) bench/overload.py --cap 128 --burst 512 --rounds 4 --out bench/overload.json
 
 soak: $(STAMP)
 	$(PY) bench/soak.py --duration 1800 --concurrency 200 --json bench/soak-30min.json

@@ -137,3 +137,58 @@ def settle(pid: int, baseline: int, within: float, slack: int = 10) -> tuple[flo
         if time.monotonic() - start > within:
             return None, fds, waiting
         time.sleep(0.25)
+
+
+def main() -> int:
+    """One burst against a proxy run from any checkout (`--src`, e.g. a worktree of an older commit),
+    under an optional RLIMIT_NOFILE, in front of the simulator: how it ended and what was left open."""
+    import argparse
+    import resource
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(root))
+    from proxy.demo import free_port, serve_command, wait_healthy
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--src", default=str(root), help="the checkout whose proxy runs (default: this one)")
+    parser.add_argument("--streams", type=int, default=400)
+    parser.add_argument("--tokens", type=int, default=10)
+    parser.add_argument("--nofile", type=int, default=0, help="RLIMIT_NOFILE (soft = hard) of the proxy alone")
+    parser.add_argument("--upstream-keepalive", type=float, default=5.0, help="the simulator's idle keep-alive (large: never closes)")
+    args = parser.parse_args()
+    sim_port, port = free_port(), free_port()
+
+    def limit() -> None:
+        if args.nofile:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (args.nofile, args.nofile))
+
+    sim = subprocess.Popen([sys.executable, "-m", "proxy", "simulate", "--port", str(sim_port), "--decode-tps", "50",
+                            "--keep-alive-timeout", str(args.upstream_keepalive)], cwd=root, stderr=subprocess.DEVNULL)
+    proxy = subprocess.Popen(serve_command(args.src, "serve", "--upstream", f"http://127.0.0.1:{sim_port}/v1", "--port", str(port)),
+                             preexec_fn=limit, stderr=subprocess.DEVNULL)
+    try:
+        wait_healthy(f"http://127.0.0.1:{sim_port}/health", sim)
+        wait_healthy(f"http://127.0.0.1:{port}/healthz", proxy)
+        time.sleep(1.5)
+        baseline = descriptors(proxy.pid)
+        with Peak(proxy.pid) as peak:
+            result = run_burst(f"http://127.0.0.1:{port}/v1", args.streams, args.tokens)
+        took, fds, waiting = settle(proxy.pid, baseline, within=10.0)
+        print(f"command: .venv/bin/python bench/burst.py --src {args.src} --streams {args.streams} --tokens {args.tokens} "
+              f"--nofile {args.nofile} --upstream-keepalive {args.upstream_keepalive:g}")
+        print(f"statuses {dict(result.statuses)}, error codes {dict(result.codes)}, no HTTP answer {dict(result.transport)}")
+        print(f"descriptors: idle baseline {baseline}, peak {peak.most}, "
+              f"{'back within 10 after %.1f s' % took if took is not None else 'still %d ten seconds after' % fds}; CLOSE-WAIT {waiting}")
+    finally:
+        proxy.terminate()
+        sim.terminate()
+        proxy.wait()
+        sim.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -3,6 +3,7 @@ exhaustion is the proxy's (503 proxy_overloaded, never 502), the open files limi
 --max-in-flight sheds the excess at once."""
 from __future__ import annotations
 
+import gc
 import os
 import resource
 import subprocess
@@ -158,20 +159,28 @@ def test_max_in_flight_sheds_the_excess_at_once_and_admitted_streams_finish(prox
 
 
 def test_running_out_of_descriptors_while_connecting_is_503(proxy_factory):
-    """The kernel's own EMFILE on the upstream connect: this process's soft limit is lowered to the
-    lowest free descriptor, so the proxy's next socket() fails, while the client reuses its
-    connection to the proxy (no new descriptor on that side)."""
+    """The kernel's own EMFILE on the upstream connect: this process's soft limit is lowered to its
+    highest open descriptor and every free one below is taken, so the proxy's next socket() fails,
+    while the client reuses its connection to the proxy (no new descriptor on that side)."""
     proxy = proxy_factory(keepalive_expiry=0.0)  # no pooled upstream connection to fall back on
     with httpx.Client(base_url=proxy.v1, timeout=10) as client:
         body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
         assert client.post("/chat/completions", json=body).status_code == 200
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        free = os.dup(0)
-        os.close(free)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (free, hard))
+        gc.collect()  # (sockets earlier tests left to the collector close now, not mid-test)
+        highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 1, hard))
+        fillers = []  # every free descriptor below the limit, taken: the next socket() is EMFILE
         try:
+            while True:
+                try:
+                    fillers.append(os.dup(0))
+                except OSError:
+                    break
             refused = client.post("/chat/completions", json=body)
         finally:
+            for fd in fillers:
+                os.close(fd)
             resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         assert refused.status_code == 503, refused.text
         error = refused.json()["error"]

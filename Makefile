@@ -62,6 +62,7 @@ bench: $(STAMP) $(LITELLM_VENV)/.installed
 	$(PY) bench/tracing_cost.py
 	$(PY) bench/overhead.py --pairs 300
 	$(PY) bench/overload.py --cap 128 --burst 512 --rounds 4 --out bench/overload.json
+	$(if $(BEFORE),$(PY) bench/accept.py --before $(BEFORE))
 
 soak: $(STAMP)
 	$(PY) bench/soak.py --duration 1800 --concurrency 200 --json bench/soak-30min.json

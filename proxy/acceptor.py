@@ -5,9 +5,8 @@ connection and closes it at once (its "EMFILE trick"), so in a burst above the d
 every client beyond it sees a reset connection, with no status and no reason. `Acceptor` accepts
 itself instead. Out of descriptors (or memory) at `accept`, it stops accepting for `RETRY_S`: the
 clients wait in the kernel's listen backlog and are served as descriptors free up (nginx does the
-same). A connection accepted with the very last descriptor, which uvloop cannot adopt (it
-duplicates the socket), is answered `503 proxy_overloaded` with Retry-After on the raw socket,
-never just closed. `ProxyLoop` is uvloop's loop with this listener; uvicorn is given its factory
+same). Once accepted, a request that cannot get an upstream connection for want of a descriptor
+is answered `503 proxy_overloaded` by the relay. `ProxyLoop` is uvloop's loop with this listener; uvicorn is given its factory
 (`--loop proxy.acceptor:new_event_loop`), so every worker and the admin port use it.
 """
 from __future__ import annotations
@@ -19,13 +18,12 @@ from typing import Any, Callable
 
 import uvloop
 
-from .errors import EXHAUSTED, ProxyOverloaded
+from .errors import EXHAUSTED
 
 log = logging.getLogger("llmproxy.acceptor")
 
 RETRY_S = 0.05  # how long accepting pauses when the process is out of descriptors or memory
 BATCH = 64  # connections accepted per wake-up before other ready work runs
-Hook = Callable[[str, str], None]  # (event: "paused" | "refused", reason)
 
 
 class Acceptor:
@@ -59,41 +57,17 @@ class Acceptor:
             task.add_done_callback(self._tasks.discard)
 
     async def _adopt(self, conn: socket.socket) -> None:
+        """uvloop adopts the accepted socket as it is (no second descriptor: tests/test_acceptor.py)."""
         try:
             await self.loop.connect_accepted_socket(self.factory, conn)
-        except OSError as exc:
-            if exc.errno not in EXHAUSTED:
-                conn.close()
-                raise
-            reason, detail = EXHAUSTED[exc.errno]
-            self._pause(reason)
-            await self._refuse(conn, ProxyOverloaded(reason, detail))
-
-    async def _refuse(self, conn: socket.socket, error: ProxyOverloaded) -> None:
-        """Answer 503 on the raw socket: read the request head first, so closing sends FIN, not RST."""
-        self.loop.event("refused", error.reason)
-        body = error.body()
-        head = [b"HTTP/1.1 503 Service Unavailable", b"content-type: application/json",
-                b"content-length: " + str(len(body)).encode(), *(k + b": " + v for k, v in error.headers())]
-        try:
-            async with asyncio.timeout(1.0):
-                received = b""
-                while b"\r\n\r\n" not in received and len(received) < 65536:
-                    data = await self.loop.sock_recv(conn, 65536)
-                    if not data:
-                        break
-                    received += data
-                await self.loop.sock_sendall(conn, b"\r\n".join(head) + b"\r\n\r\n" + body)
-            conn.shutdown(socket.SHUT_WR)
-        except (OSError, TimeoutError):
-            pass
-        finally:
+        except OSError:
             conn.close()
+            log.exception("could not adopt an accepted connection")
 
     def _pause(self, reason: str) -> None:
         if self._retry is not None or not self.serving:
             return
-        self.loop.event("paused", reason)
+        self.loop.paused(reason)
         self.loop.remove_reader(self.sock.fileno())
         self._retry = self.loop.call_later(RETRY_S, self._resume)
 
@@ -126,16 +100,15 @@ class ProxyLoop(uvloop.Loop):
 
     def __init__(self) -> None:
         super().__init__()
-        self.hook: Hook | None = None  # set by the app at start-up: counts pauses and refusals
+        self.on_pause: Callable[[str], None] | None = None  # set by the app at start-up: counts pauses
 
-    def event(self, event: str, reason: str) -> None:
-        if event == "paused":
-            log.warning("out of %s: not accepting new connections for %.0f ms (they wait in the listen backlog)", reason, RETRY_S * 1000)
-        if self.hook is not None:
+    def paused(self, reason: str) -> None:
+        log.warning("out of %s: not accepting new connections for %.0f ms (they wait in the listen backlog)", reason, RETRY_S * 1000)
+        if self.on_pause is not None:
             try:
-                self.hook(event, reason)
+                self.on_pause(reason)
             except Exception:  # noqa: BLE001 - counting must not stop accepting
-                log.exception("overload hook failed")
+                log.exception("counting an accept pause failed")
 
     async def create_server(self, factory: Callable[[], asyncio.Protocol], host: Any = None, port: Any = None, *,  # type: ignore[override]
                             sock: socket.socket | None = None, backlog: int = 100, ssl: Any = None, **kwargs: Any) -> Any:

@@ -89,10 +89,10 @@ class ProxyApp:
         soft = raise_open_files_limit(self.settings)[1]  # in each worker, before its listener exists
         self.metrics.child("llmproxy_max_fds").set(soft)
         watcher = asyncio.create_task(self._count_descriptors())
-        hook = self.metrics.overload_hook(self.settings.upstream_label)
+        count_pause = self.metrics.accept_paused(self.settings.upstream_label)
         loop = asyncio.get_running_loop()
         if isinstance(loop, ProxyLoop):  # (a test may serve the app on another loop)
-            loop.hook = hook
+            loop.on_pause = count_pause
         tokenizer = self.telemetry.tokenizer
         if tokenizer is not None:  # load the BPE tables before the first request needs them
             tokenizer.preload()

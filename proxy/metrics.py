@@ -56,7 +56,7 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("llmproxy_requests", "counter", "Finished requests by outcome (ok, upstream_error, client_disconnect, client_slow, timeout, proxy_error) and HTTP status. The latency metrics below describe the ok ones.", BASE + ("outcome", "code")),
     MetricDef("llmproxy_requests_in_flight", "gauge", "Requests being relayed now.", ("upstream",)),
     MetricDef("llmproxy_max_in_flight", "gauge", "The admission cap, --max-in-flight, summed over worker processes (0: no cap).", ("upstream",)),
-    MetricDef("llmproxy_requests_rejected", "counter", "Requests the proxy answered 503 proxy_overloaded itself, by reason: max_in_flight (admission control), descriptors, ports, memory (exhausted while accepting or connecting). Never the upstream's fault.", ("upstream", "reason")),
+    MetricDef("llmproxy_requests_rejected", "counter", "Requests the proxy answered 503 proxy_overloaded itself, by reason: max_in_flight (admission control), descriptors, ports, memory (the proxy ran out while connecting upstream or relaying). Never the upstream's fault.", ("upstream", "reason")),
     MetricDef("llmproxy_open_fds", "gauge", "Open file descriptors of the proxy's processes (sampled every second).", ()),
     MetricDef("llmproxy_max_fds", "gauge", "The open files limit (RLIMIT_NOFILE soft limit, after the proxy raised it to the hard one), summed over worker processes.", ()),
     MetricDef("llmproxy_accept_pauses", "counter", "Times the listener stopped accepting for 50 ms because the process was out of descriptors (or memory); clients waited in the listen backlog.", ("reason",)),
@@ -213,19 +213,14 @@ class ProxyMetrics:
             child("llmproxy_phase_seconds", *key, phase).inc(max(0.0, seconds))
         child("llmproxy_proxy_overhead_seconds", upstream, t.endpoint, stream).observe(b.phases.get("proxy", 0.0))
 
-    def overload_hook(self, upstream: str) -> Any:
-        """For the listener (acceptor.py): count its pauses and the connections it refused. The
-        series start at 0, so the dashboard and LLMProxySaturated see them before any overload."""
+    def accept_paused(self, upstream: str) -> Any:
+        """The listener's pause counter (acceptor.py). The overload series start at 0, so the
+        dashboard and LLMProxySaturated see them before any overload."""
         for reason in REJECT_REASONS:
             self.child("llmproxy_requests_rejected", upstream, reason)
         for reason in ("descriptors", "memory"):
             self.child("llmproxy_accept_pauses", reason)
-        def hook(event: str, reason: str) -> None:
-            if event == "paused":
-                self.child("llmproxy_accept_pauses", reason).inc()
-            else:
-                self.child("llmproxy_requests_rejected", upstream, reason).inc()
-        return hook
+        return lambda reason: self.child("llmproxy_accept_pauses", reason).inc()
 
     def render(self, accept: str) -> tuple[bytes, str]:
         """The exposition for GET /metrics (OpenMetrics with exemplars when asked for)."""

@@ -1,0 +1,95 @@
+"""The listener under real EMFILE: this process's descriptors are all taken (its soft limit lowered
+to its highest open descriptor, every free one below filled), so the kernel refuses `accept`, as it
+would in a burst above the limit."""
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import resource
+import socket
+from contextlib import contextmanager
+from typing import Iterator
+
+from proxy.acceptor import Acceptor, ProxyLoop, new_event_loop
+
+
+@contextmanager
+def descriptors_exhausted(spare: int = 0) -> Iterator[None]:
+    """No descriptor free in this process (`spare` left free) until the block ends."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    gc.collect()
+    highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 1, hard))
+    fillers: list[int] = []
+    try:
+        while True:
+            try:
+                fillers.append(os.dup(0))
+            except OSError:
+                break
+        for _ in range(spare):
+            os.close(fillers.pop())
+        yield
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+class Hello(asyncio.Protocol):
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.write(b"hello")  # type: ignore[attr-defined]
+        transport.close()
+
+
+def run(coro) -> None:  # type: ignore[no-untyped-def]
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        runner.run(coro)
+
+
+async def listen(pauses: list[str]) -> tuple[ProxyLoop, Acceptor, int]:
+    loop = asyncio.get_running_loop()
+    assert isinstance(loop, ProxyLoop)
+    loop.on_pause = pauses.append
+    server = await loop.create_server(Hello, "127.0.0.1", 0, backlog=16)
+    assert isinstance(server, Acceptor)
+    return loop, server, server.sockets[0].getsockname()[1]
+
+
+def test_out_of_descriptors_at_accept_the_client_waits_in_the_backlog_and_is_served_after():
+    pauses: list[str] = []
+
+    async def main() -> None:
+        loop, server, port = await listen(pauses)
+        client = socket.socket()
+        client.setblocking(False)
+        with descriptors_exhausted():
+            client.connect_ex(("127.0.0.1", port))  # the kernel completes it into the listen backlog
+            await asyncio.sleep(0.3)  # accept fails with EMFILE, again after each 50 ms pause
+            assert "descriptors" in pauses
+        data = await asyncio.wait_for(loop.sock_recv(client, 100), 2.0)
+        assert data == b"hello"  # accepted and served once a descriptor was free: never reset
+        client.close()
+        server.close()
+
+    run(main())
+
+
+def test_a_connection_accepted_with_the_last_descriptor_is_served():
+    """uvloop adopts an accepted socket without duplicating it, so the last descriptor is enough
+    (were it to duplicate, this client would be reset: a premise of acceptor.py)."""
+    pauses: list[str] = []
+
+    async def main() -> None:
+        loop, server, port = await listen(pauses)
+        client = socket.socket()
+        client.setblocking(False)
+        with descriptors_exhausted(spare=1):
+            client.connect_ex(("127.0.0.1", port))
+            data = await asyncio.wait_for(loop.sock_recv(client, 100), 2.0)
+        assert data == b"hello"
+        client.close()
+        server.close()
+
+    run(main())

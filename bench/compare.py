@@ -256,8 +256,9 @@ def main() -> int:
     parser.add_argument("--sweep", type=int, nargs="+", default=[1, 16, 64, 128, 256])
     parser.add_argument("--burst", type=int, default=64, help="streams started at once")
     parser.add_argument("--burst-rounds", type=int, default=8)
-    parser.add_argument("--systems", nargs="+", default=["metrics-only", "off", "before", "litellm"],
-                        help="metrics-only, off (the defaults: tracing on, no per-token stamps), events, spans, before, litellm")
+    parser.add_argument("--systems", nargs="+", default=["metrics-only", "offsets", "before", "litellm"],
+                        help="metrics-only, offsets (the defaults: tracing on, per-token offsets on the decode span), off, events, "
+                             "spans, before, litellm")
     parser.add_argument("--before", default="", help="checkout to run as the system 'before' (default flags, tracing on)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--plot", type=Path)

@@ -41,6 +41,11 @@ def chat(base: str, tokens: int, headers: dict[str, str] | None = None, **extra:
     return httpx.post(f"{base}/v1/chat/completions", json=body, headers=headers or {}, timeout=60).content
 
 
+def respond(base: str, tokens: int, headers: dict[str, str] | None = None, text: str = "hello") -> bytes:
+    body = {"model": "sim-7b", "input": text, "max_output_tokens": tokens, "stream": True}
+    return httpx.post(f"{base}/v1/responses", json=body, headers=headers or {}, timeout=60).content
+
+
 def metric(base: str, name: str, **labels: str) -> float:
     total = 0.0
     for line in httpx.get(f"{base}/metrics").text.splitlines():
@@ -135,9 +140,45 @@ def rows(src: str, sim: str) -> Iterator[tuple[str, str, str]]:
         yield ("upstream rejecting stream_options (old Azure)", f"HTTP {statuses[0]}, {statuses[1]}", "200, 200")
 
 
+def responses_rows(src: str, sim: str) -> Iterator[tuple[str, str, str]]:
+    """The Responses API against the same schedules (medians of 10 where a figure is timed)."""
+    import statistics
+
+    f = lambda v, fmt="{:.1f}": "n/a" if v is None else fmt.format(v)  # noqa: E731
+    with proxy(src, sim) as p:
+        for name, send in (("chat", chat), ("Responses API", respond)):
+            ttft, tps = [], []
+            for _ in range(10):
+                send(p, 51, {"x-sim-ttft-ms": "200", "x-sim-decode-tps": "50"})
+                r = last(p)
+                ttft.append(r["ttft_s"] or 0.0)
+                tps.append(r["decode_tokens_per_second"] or 0.0)
+            yield (f"{name}: TTFT 200 ms, then 51 tokens at 50 tok/s (median of 10)",
+                   f"TTFT {statistics.median(ttft) * 1000:.1f} ms; decode {statistics.median(tps):.2f} tok/s; endpoint {r['endpoint']}",
+                   "200 ms (+ loopback); 50 tok/s")
+        respond(p, 21, {"x-sim-hidden-reasoning": "100", "x-sim-decode-tps": "100", "x-sim-ttft-ms": "100"})
+        r = last(p)
+        yield ("Responses API: hidden reasoning 100 tokens, then 21 visible at 100 tok/s, prefill 0.1 s",
+               f"decode {f(r['decode_tokens_per_second'])} tok/s; prefill {f(r['phases_s'].get('prefill'), '{:.2f}')} s; "
+               f"reasoning {f(r['phases_s'].get('reasoning'), '{:.2f}')} s; hidden {r['hidden_reasoning_tokens']}",
+               "100 tok/s; prefill 0.10 s; reasoning 1.00 s; hidden 100")
+        respond(p, 40, {"x-sim-chunk-pattern": "4,4,2", "x-sim-decode-tps": "100", "x-sim-ttft-ms": "10"})
+        yield ("Responses API: deltas of 4, 4, 2 tokens at 100 tok/s", f"decode {f(last(p)['decode_tokens_per_second'])} tok/s", "100 tok/s")
+        respond(p, 10, {"x-sim-visible-reasoning": "10", "x-sim-decode-tps": "100", "x-sim-ttft-ms": "50"})
+        r = last(p)
+        yield ("Responses API: 10 reasoning_text deltas, then 10 output_text, TTFT 50 ms",
+               f"TTFT {f(r['ttft_s'] * 1000)} ms; chunks {r['content_chunks']}; decode {f(r['decode_tokens_per_second'])} tok/s",
+               "50 ms; 20; 100 tok/s")
+        respond(p, 3, {"x-sim-cached-tokens": "1900"}, text=" the" * 1993)
+        r = last(p)
+        yield ("Responses API: 2,000-token input, 1,900 cached, prefill 5,000 tok/s",
+               f"prefill {f(r['prefill_tokens_per_second'], '{:,.0f}')} tok/s; cached {r['cached_prompt_tokens']}", "5,000 tok/s; cached 1900")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--src", default=os.path.join(os.path.dirname(__file__), ".."))
+    parser.add_argument("--no-responses", action="store_true", help="skip the Responses API rows (a checkout from before it)")
     args = parser.parse_args()
     sim_port = free_port()
     sim = f"http://127.0.0.1:{sim_port}"
@@ -146,6 +187,9 @@ def main() -> int:
         print(f"proxy from {src}\n\n| shape | proxy reports | true |\n|---|---|---|")
         for shape, reported, truth in rows(src, sim):
             print(f"| {shape} | {reported} | {truth} |", flush=True)
+        if not args.no_responses:
+            for shape, reported, truth in responses_rows(src, sim):
+                print(f"| {shape} | {reported} | {truth} |", flush=True)
     return 0
 
 

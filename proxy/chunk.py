@@ -6,6 +6,11 @@ send both with the same text, so one of them is taken, never both), tool-call
 `function.arguments`, the legacy `delta.function_call.arguments`, or `choices[].text`
 (completions). Role-only, finish-only and usage-only chunks (`choices: []` plus `usage`) are not
 content.
+
+The Responses API streams typed events instead (`"type"` in each payload): content is the `delta`
+of an output text, refusal, reasoning text or summary, or function-call arguments event; usage
+comes in `response.completed` (`input_tokens`, `output_tokens` and their details), read here into
+the chat shape so every count downstream is defined once; `response.failed` and `error` fail it.
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ DONE = b"[DONE]"
 
 
 class Chunk:
-    __slots__ = ("texts", "reasoning", "usage", "model", "usage_only", "valid", "timings", "metrics")
+    __slots__ = ("texts", "reasoning", "usage", "model", "usage_only", "valid", "timings", "metrics", "failed")
 
     def __init__(self) -> None:
         self.texts: list[tuple[int, str]] = []  # (choice index, generated text), choices with content only
@@ -30,6 +35,7 @@ class Chunk:
         self.valid: bool = True
         self.timings: dict[str, Any] | None = None  # llama.cpp's per-request timings
         self.metrics: dict[str, Any] | None = None  # vLLM's per-request metrics (--enable-per-request-metrics)
+        self.failed: str = ""  # the stream reported an error (Responses API `response.failed` / `error`): its code
 
     @property
     def text(self) -> str:
@@ -66,6 +72,10 @@ def parse_chunk(data: bytes) -> Chunk:
     if not isinstance(obj, dict):
         chunk.valid = False
         return chunk
+    kind = obj.get("type")
+    if isinstance(kind, str) and "choices" not in obj:
+        _response_event(kind, obj, chunk)
+        return chunk
     choices = obj.get("choices")
     if isinstance(choices, list):
         for position, choice in enumerate(choices):
@@ -94,6 +104,72 @@ def parse_chunk(data: bytes) -> Chunk:
     if isinstance(metrics, dict):
         chunk.metrics = metrics
     return chunk
+
+
+# Responses API events whose `delta` is generated text, and whether it is visible reasoning.
+RESPONSE_DELTAS = {
+    "response.output_text.delta": False,
+    "response.refusal.delta": False,
+    "response.function_call_arguments.delta": False,
+    "response.custom_tool_call_input.delta": False,
+    "response.reasoning_text.delta": True,
+    "response.reasoning_summary_text.delta": True,
+}
+
+
+def _response_event(kind: str, obj: dict[str, Any], chunk: Chunk) -> None:
+    reasoning = RESPONSE_DELTAS.get(kind)
+    if reasoning is not None:
+        text = _string(obj.get("delta"))
+        if text:
+            chunk.texts.append((0, text))
+            chunk.reasoning = reasoning
+        return
+    if kind == "error":
+        chunk.failed = _string(obj.get("code")) or "error"
+        return
+    response = obj.get("response")
+    if not isinstance(response, dict):
+        return
+    chunk.model = _string(response.get("model"))
+    usage = response.get("usage")
+    if isinstance(usage, dict):
+        chunk.usage = chat_usage(usage)
+    metrics = response.get("metrics")  # vLLM's per-request metrics ride on response.completed
+    if isinstance(metrics, dict):
+        chunk.metrics = metrics
+    if kind == "response.failed":
+        error = response.get("error")
+        chunk.failed = (_string(error.get("code")) if isinstance(error, dict) else "") or "response_failed"
+
+
+def chat_usage(usage: dict[str, Any]) -> dict[str, Any]:
+    """A Responses API usage object in the chat shape (input → prompt, output → completion)."""
+    if "input_tokens" not in usage and "output_tokens" not in usage:
+        return usage  # already chat-shaped (some servers)
+    out: dict[str, Any] = {"prompt_tokens": usage.get("input_tokens"), "completion_tokens": usage.get("output_tokens"),
+                           "total_tokens": usage.get("total_tokens")}
+    cached = _count(usage.get("input_tokens_details"), "cached_tokens")
+    if cached is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
+    reasoning = _count(usage.get("output_tokens_details"), "reasoning_tokens")
+    if reasoning is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+    return out
+
+
+def _response_text(obj: dict[str, Any]) -> str:
+    """The generated text of a Responses API body: output text, refusals, reasoning, call arguments."""
+    parts: list[str] = []
+    for item in obj.get("output") or []:
+        if not isinstance(item, dict):
+            continue
+        parts.append(_string(item.get("arguments")))
+        for key in ("content", "summary"):
+            for part in item.get(key) or []:
+                if isinstance(part, dict):
+                    parts.append(_string(part.get("text")) or _string(part.get("refusal")))
+    return "".join(parts)
 
 
 class Usage(NamedTuple):
@@ -193,6 +269,10 @@ def read_json_body(raw: bytes, encoding: bytes = b"identity") -> BodyInfo:
         return BodyInfo()
     if not isinstance(obj, dict):
         return BodyInfo()
+    if obj.get("object") == "response":
+        usage, model, metrics = obj.get("usage"), obj.get("model"), obj.get("metrics")
+        return BodyInfo(chat_usage(usage) if isinstance(usage, dict) else None, model if isinstance(model, str) else "",
+                        _response_text(obj), None, metrics if isinstance(metrics, dict) else None)
     texts = []
     for choice in obj.get("choices") or []:
         if isinstance(choice, dict):

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 from urllib.parse import urlsplit
 
 ENV_PREFIX = "LLMPROXY_"
-TOKEN_SPAN_MODES = ("spans", "events", "off")
+TOKEN_SPAN_MODES = ("offsets", "events", "spans", "off")
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("tokenize", bool, True, "count prompt tokens with the tokenizer off the critical path (the tokenize phase)"),
     Option("default_encoding", str, "o200k_base", "tiktoken encoding for models tiktoken does not know"),
     Option("max_models", int, 100, "distinct model label values before later ones become `other`"),
-    Option("token_spans", str, "off", "per-chunk telemetry under the decode span: spans, events or off (see bench/RESULTS.md for the cost)"),
+    Option("token_spans", str, "offsets", "per-chunk stamps on the decode span: offsets (arrays of µs offsets, tokens and choices per chunk: the default, near free), events (a span event per chunk), spans (a span per chunk) or off; costs in bench/RESULTS.md"),
     Option("otlp_endpoint", str, "", "OTLP/HTTP endpoint for spans (default: the OTEL_EXPORTER_OTLP_* variables)"),
     Option("service_name", str, "", "service.name of the spans (default: OTEL_SERVICE_NAME or llm-latency-proxy)"),
     Option("records", int, 1000, "recent per-request records kept in memory for GET /llmproxy/requests"),
@@ -121,7 +121,7 @@ class Settings:
     tokenize: bool = True
     default_encoding: str = "o200k_base"
     max_models: int = 100
-    token_spans: str = "off"
+    token_spans: str = "offsets"
     otlp_endpoint: str = ""
     service_name: str = ""
     records: int = 1000

@@ -142,6 +142,40 @@ def print_reasoning(rows: list[dict[str, Any]], output_tokens: int) -> None:
                   "calling it prefill.")
 
 
+API_PROMPT = 1000  # prompt tokens of the chat vs Responses API comparison
+
+
+def run_apis(proxy_url: str, repeats: int, output_tokens: int) -> None:
+    """The same request through chat completions and the Responses API, interleaved."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{proxy_url}/v1", api_key="demo-key-not-secret", max_retries=0)
+    prompt = prompt_of(API_PROMPT)
+    for _ in range(repeats):
+        for _chunk in client.chat.completions.create(model="sim-7b", messages=[{"role": "user", "content": prompt}],
+                                                     max_tokens=output_tokens, stream=True):
+            pass
+        for _event in client.responses.create(model="sim-7b", input=prompt, max_output_tokens=output_tokens, stream=True):
+            pass
+
+
+def print_apis(records: list[dict[str, Any]], output_tokens: int) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"Chat completions vs the Responses API: {API_PROMPT} prompt tokens, {output_tokens} output tokens (medians)")
+    for column in ("endpoint", "ttft", "prefill", "decode", "total", "decode tok/s", "prompt tok", "completion tok"):
+        table.add_column(column, justify="right")
+    ms = lambda s: f"{s * 1000:.2f} ms" if s < 1 else f"{s:.3f} s"  # noqa: E731
+    for endpoint in ("chat", "responses"):
+        group = [r for r in records if r["endpoint"] == endpoint]
+        med = lambda f: statistics.median(f(r) for r in group)  # noqa: E731
+        table.add_row(endpoint, ms(med(lambda r: r["ttft_s"])), ms(med(lambda r: r["phases_s"]["prefill"])),
+                      ms(med(lambda r: r["phases_s"]["decode"])), ms(med(lambda r: r["duration_s"])),
+                      f"{med(lambda r: r['decode_tokens_per_second'] or 0.0):.1f}", str(group[0]["prompt_tokens"]), str(group[0]["completion_tokens"]))
+    Console(width=max(Console().width, 150)).print(table)
+
+
 def summarise(records: list[dict[str, Any]], repeats: int, output_tokens: int) -> list[dict[str, Any]]:
     rows = []
     for index, case in enumerate(CASES):
@@ -188,8 +222,11 @@ def run_demo(repeats: int = 3, output_tokens: int = 100) -> int:
          started(["serve", "--upstream", f"{sim_url}/v1", "--port", str(proxy_port)], f"{proxy_url}/healthz"):
         run_cases(proxy_url, repeats, output_tokens)
         run_reasoning(proxy_url, repeats, output_tokens)
-        total = (len(CASES) + len(REASONING)) * repeats
+        run_apis(proxy_url, repeats, output_tokens)
+        total = (len(CASES) + len(REASONING) + 2) * repeats
         records = httpx.get(f"{proxy_url}/llmproxy/requests", params={"limit": total}).json()
-    print_table(summarise(records[: len(CASES) * repeats], repeats, output_tokens))
-    print_reasoning(reasoning_rows(records[len(CASES) * repeats :], repeats), output_tokens)
+    cases, reasoning = len(CASES) * repeats, len(REASONING) * repeats
+    print_table(summarise(records[:cases], repeats, output_tokens))
+    print_reasoning(reasoning_rows(records[cases : cases + reasoning], repeats), output_tokens)
+    print_apis(records[cases + reasoning :], output_tokens)
     return 0

@@ -1,7 +1,7 @@
 """`llm-latency-proxy load`: a bounded traffic mix for dashboards, alerts and soak runs.
 
 Each of `concurrency` workers loops until `duration_s` passes or `requests` were sent: chat or
-completions, streaming or not, prompt lengths from short to long, two model names, and a small
+completions or the Responses API, streaming or not, prompt lengths from short to long, two model names, and a small
 share of injected upstream errors (the simulator's `x-sim-error-status`), and the production shapes
 of prompt caching and hidden reasoning. It talks raw HTTP with
 httpx so the load generator stays cheap on a small machine.
@@ -25,7 +25,8 @@ class Mix:
     prompt_tokens: tuple[int, ...] = (50, 200, 1000, 3000)
     max_tokens: tuple[int, ...] = (10, 30, 60)
     stream_share: float = 0.85
-    chat_share: float = 0.8
+    chat_share: float = 0.8  # of the requests that are not Responses API ones (the rest: completions)
+    responses_share: float = 0.15
     error_share: float = 0.03
     extra_headers: dict[str, str] = field(default_factory=dict)
     # Production shapes (the simulator's x-sim-* headers), one chosen per request: prompt caching
@@ -46,11 +47,14 @@ def _prompt(tokens: int) -> str:
 
 
 async def _one(client: httpx.AsyncClient, rng: random.Random, mix: Mix, result: LoadResult) -> None:
-    chat = rng.random() < mix.chat_share
-    body: dict[str, object] = {"model": rng.choice(mix.models), "max_tokens": rng.choice(mix.max_tokens),
+    responses = rng.random() < mix.responses_share
+    chat = not responses and rng.random() < mix.chat_share
+    body: dict[str, object] = {"model": rng.choice(mix.models), "max_output_tokens" if responses else "max_tokens": rng.choice(mix.max_tokens),
                                "stream": rng.random() < mix.stream_share}
     text = _prompt(rng.choice(mix.prompt_tokens))
-    if chat:
+    if responses:
+        body["input"] = text
+    elif chat:
         body["messages"] = [{"role": "user", "content": text}]
     else:
         body["prompt"] = text
@@ -65,7 +69,8 @@ async def _one(client: httpx.AsyncClient, rng: random.Random, mix: Mix, result: 
         headers["x-sim-error-status"] = rng.choice(("500", "429", "503"))
     result.sent += 1
     try:
-        async with client.stream("POST", "/chat/completions" if chat else "/completions", json=body, headers=headers) as r:
+        path = "/responses" if responses else "/chat/completions" if chat else "/completions"
+        async with client.stream("POST", path, json=body, headers=headers) as r:
             async for _ in r.aiter_raw():
                 pass
             result.statuses[r.status_code] += 1

@@ -53,7 +53,7 @@ class MetricDef:
 
 
 METRICS: tuple[MetricDef, ...] = (
-    MetricDef("llmproxy_requests", "counter", "Finished requests by outcome (ok, upstream_error, client_disconnect, client_slow, timeout, proxy_error) and HTTP status. The latency metrics below describe the ok ones.", BASE + ("outcome", "code")),
+    MetricDef("llmproxy_requests", "counter", "Finished requests by outcome (ok, upstream_error, client_disconnect, client_slow, timeout, proxy_error, overloaded) and HTTP status. The latency metrics below describe the ok ones.", BASE + ("outcome", "code")),
     MetricDef("llmproxy_requests_in_flight", "gauge", "Requests being relayed now.", ("upstream",)),
     MetricDef("llmproxy_max_in_flight", "gauge", "The admission cap, --max-in-flight, summed over worker processes (0: no cap).", ("upstream",)),
     MetricDef("llmproxy_requests_rejected", "counter", "Requests the proxy answered 503 proxy_overloaded itself, by reason: max_in_flight (admission control), descriptors, ports, memory (the proxy ran out while connecting upstream or relaying). Never the upstream's fault.", ("upstream", "reason")),

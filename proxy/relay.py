@@ -240,7 +240,9 @@ class Exchange:
         if length is not None and not self.rewrite:
             out_headers.append((b"content-length", length))
         await self._start(response.status, out_headers)
-        await self._stream(response, SSEDecoder() if is_sse else None, silence)
+        # A stored response's stream (GET /v1/responses/{id}?stream=true) is relayed, not timed.
+        timed = is_sse and self.t.endpoint != "responses_other"
+        await self._stream(response, SSEDecoder() if timed else None, silence)
 
     async def _start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.started = True
@@ -308,6 +310,8 @@ class Exchange:
             t.engine = from_vllm(chunk.metrics) or t.engine
         if not chunk.valid:
             t.malformed_chunks += 1
+        if chunk.failed:  # the stream itself reported an error (Responses API `response.failed`, `error`)
+            t.outcome, t.error = "upstream_error", f"stream_error:{chunk.failed}"
         return chunk
 
     def _rewritten(self, event: Event, now: int) -> bytes:

@@ -19,7 +19,10 @@ from starlette.types import Receive, Scope
 from .config import Settings
 from .errors import BadPath, BodyTimeout, BodyTooLarge, Unauthorized
 
-ENDPOINTS = {"/chat/completions": "chat", "/completions": "completions", "/embeddings": "embeddings"}
+ENDPOINTS = {"/chat/completions": "chat", "/completions": "completions", "/embeddings": "embeddings", "/responses": "responses"}
+# What is relayed but never timed as a generation: the Responses API's stored-response operations
+# (GET /responses/{id}, its stream resumption too, DELETE, /input_items, /cancel).
+RESPONSES_RESOURCE = "/responses/"
 HOP_BY_HOP = frozenset(
     b"connection keep-alive proxy-authenticate proxy-authorization te trailer trailers transfer-encoding upgrade host content-length".split()
 )
@@ -76,8 +79,8 @@ def filter_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, byte
 
 def parse_request(path: str, body: bytes) -> tuple[str, dict[str, Any] | None]:
     """(endpoint, parsed JSON body or None). A body we cannot parse is still forwarded as is."""
-    endpoint = ENDPOINTS.get(path, "other")
-    if endpoint == "other" or not body:
+    endpoint = ENDPOINTS.get(path) or ("responses_other" if path.startswith(RESPONSES_RESOURCE) else "other")
+    if endpoint in ("other", "responses_other") or not body:
         return endpoint, None
     try:
         parsed = orjson.loads(body)

@@ -18,7 +18,10 @@ Azure api-versions), `x-sim-vllm-metrics: 1` (vLLM's per-request `metrics`), `x-
 `x-sim-delta-field: refusal | function_call`, `x-sim-body-bytes: N` (pads a non-streaming body),
 `x-sim-drop-body: 1` (a non-streaming body cut in half), `x-sim-done-gap-ms` (the stream ends a while
 after `[DONE]`), `x-sim-logprobs: N` (N logprobs entries in a
-non-streaming body: parse-heavy JSON).
+non-streaming body: parse-heavy JSON). `POST /v1/responses` (the Responses API, `responses.py`)
+follows the same schedule and headers (`max_output_tokens`; reasoning as `reasoning_text`, or
+`summary` with `x-sim-reasoning-field: summary`; `x-sim-delta-field: function_call` streams a call's
+arguments).
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from typing import Any
 
 import orjson
 
+from . import responses
 from .tokens import Tokenizer
 
 # Each is one token in cl100k_base and o200k_base, so chunk text and token counts agree.
@@ -112,7 +116,8 @@ class Simulator:
             return await self._reply(send, _json_response(200, {"status": "ok"}))
         if path == "/v1/models":
             return await self._reply(send, _json_response(200, {"object": "list", "data": [{"id": "sim-7b", "object": "model", "created": FIXED_CREATED, "owned_by": "simulator"}]}))
-        kind = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/embeddings": "embeddings"}.get(path)
+        kind = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/embeddings": "embeddings",
+                "/v1/responses": "responses"}.get(path)
         if kind is None:
             return await self._reply(send, _json_response(404, {"error": {"message": f"no route {path}", "type": "invalid_request_error", "code": "not_found", "param": None}}))
         self.stats.requests += 1
@@ -156,7 +161,7 @@ class Simulator:
         gap = 1.0 / float(headers.get("x-sim-decode-tps", cfg.decode_tps))
         hidden = int(headers.get("x-sim-hidden-reasoning", "0"))
         visible_reasoning = int(headers.get("x-sim-visible-reasoning", "0"))
-        n = int(request.get("max_tokens") or request.get("max_completion_tokens") or cfg.default_max_tokens)
+        n = int(request.get("max_tokens") or request.get("max_completion_tokens") or request.get("max_output_tokens") or cfg.default_max_tokens)
         choices = max(1, int(request.get("n") or 1))
         pattern = [max(1, int(x)) for x in headers.get("x-sim-chunk-pattern", str(headers.get("x-sim-chunk-tokens", cfg.chunk_tokens))).split(",")]
         start = queue + prefill + hidden * gap  # hidden reasoning: generated, never streamed
@@ -196,14 +201,17 @@ class Simulator:
             return await self._reply(send, _json_response(400, error))
         plan = self._plan(self.tokenizer.count_prompt(kind, request), request, headers)
         digest = hashlib.sha1(orjson.dumps([model, request.get("messages"), request.get("prompt"), request.get("max_tokens")])).hexdigest()[:24]
-        ident = ("chatcmpl-" if kind == "chat" else "cmpl-") + digest
+        ident = {"chat": "chatcmpl-", "responses": "resp_"}.get(kind, "cmpl-") + digest
         created = FIXED_CREATED if cfg.deterministic else int(time.time())
         stream = request.get("stream") is True
         task = asyncio.current_task()
         gone: list[bool] = []
         watcher = asyncio.create_task(self._watch(receive, task, gone))  # sees the client leave, any time
         try:
-            if stream:
+            if kind == "responses" and stream:
+                self.stats.tokens_sent += await responses.stream(send, plan, received, ident, created, model, headers)
+                self.stats.completed += 1
+            elif stream:
                 await self._stream(send, kind, ident, created, model, plan, received, request, headers)
             else:
                 await self._complete(send, kind, ident, created, model, plan, received, headers)
@@ -220,8 +228,10 @@ class Simulator:
         await asyncio.sleep(max(0.0, received + plan.end - time.monotonic()))
         padding = " " * int(headers.get("x-sim-body-bytes", "0"))
         texts = ["".join(w for c in plan.chunks if c[1] == i and c[2] == "content" for w in c[3]) + padding for i in range(plan.choices)]
-        choices: list[dict[str, Any]]
-        if kind == "chat":
+        choices: list[dict[str, Any]] = []
+        if kind == "responses":
+            obj = responses.body(plan, ident, created, model, headers)
+        elif kind == "chat":
             choices = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": "length"} for i, text in enumerate(texts)]
             obj = {"id": ident, "object": "chat.completion", "created": created, "model": model, "choices": choices, "usage": plan.usage}
         else:

@@ -35,7 +35,7 @@ now_ns = time.monotonic_ns
 
 NS = 1_000_000_000
 Outcome = Literal["ok", "upstream_error", "client_disconnect", "client_slow", "timeout", "proxy_error", "overloaded"]
-Endpoint = Literal["chat", "completions", "embeddings", "other"]
+Endpoint = Literal["chat", "completions", "embeddings", "responses", "responses_other", "other"]
 Phase = Literal["client", "proxy", "network", "tokenize", "queue", "reasoning", "prefill", "decode", "server"]
 TokenSource = Literal["usage", "engine", "tokenizer"]
 OUTCOMES: tuple[Outcome, ...] = ("ok", "upstream_error", "client_disconnect", "client_slow", "timeout", "proxy_error", "overloaded")

@@ -152,6 +152,8 @@ def prompt_parts(endpoint: str, body: dict[str, Any]) -> PromptParts:
     `function_call` count their name and arguments; `tools` / `functions` count their JSON text, an
     approximation (OpenAI injects them in an unpublished format)."""
     parts = _Parts(str(body.get("model") or ""))
+    if endpoint == "responses":
+        return _responses_parts(parts, body)
     if endpoint != "chat":
         parts.input(body.get("prompt") if endpoint == "completions" else body.get("input"))
         return parts.done()
@@ -167,6 +169,26 @@ def prompt_parts(endpoint: str, body: dict[str, Any]) -> PromptParts:
     for key in ("tools", "functions"):
         if isinstance(body.get(key), list) and body[key]:
             parts.texts.append(orjson.dumps(body[key]).decode())
+    return parts.done()
+
+
+def _responses_parts(parts: "_Parts", body: dict[str, Any]) -> PromptParts:
+    """Responses API: `instructions`, then `input` (a string, which is one user message, or items:
+    messages whose content is a string or input_text parts, function calls and their outputs),
+    counted as chat messages are."""
+    parts.fixed = REPLY_PRIMING
+    if isinstance(body.get("instructions"), str):
+        parts.fixed += TOKENS_PER_MESSAGE
+        parts.texts.append(body["instructions"])
+    items = body.get("input")
+    for item in [{"role": "user", "content": items}] if isinstance(items, str) else (items if isinstance(items, list) else []):
+        if not isinstance(item, dict):
+            continue
+        parts.fixed += TOKENS_PER_MESSAGE
+        for key in ("role", "content", "output", "arguments", "name"):
+            parts.value(item.get(key))
+    if isinstance(body.get("tools"), list) and body["tools"]:
+        parts.texts.append(orjson.dumps(body["tools"]).decode())
     return parts.done()
 
 

@@ -25,7 +25,11 @@ from .timing import Breakdown, RequestTiming
 if TYPE_CHECKING:
     from .offload import Offload
 
-OPERATIONS = {"chat": "chat", "completions": "text_completion", "embeddings": "embeddings", "other": "proxy"}
+# gen_ai.operation.name per endpoint. The Responses API is `chat` with `openai.api.type=responses`,
+# as the OpenAI semantic conventions map it (they define no `responses` operation).
+OPERATIONS = {"chat": "chat", "completions": "text_completion", "embeddings": "embeddings", "responses": "chat",
+              "responses_other": "proxy", "other": "proxy"}
+API_TYPES = {"chat": "chat_completions", "responses": "responses"}
 _PROPAGATOR = TraceContextTextMapPropagator()
 _SCOPE = InstrumentationScope("llm-latency-proxy")
 _UNSET = Status(StatusCode.UNSET)
@@ -222,15 +226,26 @@ class Tracing:
             at = end
         if t.content_ns:
             decode_id = new_id()
-            events = self._chunks(out, spans, decode_id, t, wall)
+            attrs = {"llmproxy.decode_tokens_per_second": b.decode_tokens_per_second}
+            events = self._chunks(out, spans, decode_id, t, wall, attrs)
             out.append(self._span(spans, "decode", decode_id, server_id, wall(t.content_ns[0]), wall(t.upstream_end_ns or max(t.content_ns)),
-                                  {"llmproxy.decode_tokens_per_second": b.decode_tokens_per_second}, events=events))
+                                  attrs, events=events))
 
     def _chunks(self, out: list[ReadableSpan], spans: RequestSpans, decode_id: int, t: RequestTiming,
-                wall: Callable[[int], int]) -> list[Event]:
-        """Per-token stamps (--token-spans): events on the decode span, or one span per chunk."""
+                wall: Callable[[int], int], attrs: dict[str, Any]) -> list[Event]:
+        """Per-token stamps (--token-spans). `offsets` (the default): three arrays on the decode span,
+        one entry per content chunk: its arrival in µs after the decode span's start (the first
+        chunk), its tokens, its choice. `events`: one span event per chunk; `spans`: one span each."""
         mode = self.settings.token_spans
         if mode == "off":
+            return []
+        if mode == "offsets":
+            first = t.content_ns[0]
+            attrs["llmproxy.chunk.offsets_us"] = [(instant - first) // 1000 for instant in t.content_ns]
+            if t.chunk_tokens is not None:
+                attrs["llmproxy.chunk.tokens"] = [round(count, 3) for count in t.chunk_tokens]
+            if any(t.content_choice):  # n > 1
+                attrs["llmproxy.chunk.choices"] = list(t.content_choice)
             return []
         tokens = t.chunk_tokens or [1.0] * len(t.content_ns)
         choices = t.content_choice or [0] * len(t.content_ns)
@@ -249,6 +264,7 @@ class Tracing:
     def _attributes(self, t: RequestTiming, b: Breakdown) -> dict[str, Any]:
         attrs: dict[str, Any] = {
             "gen_ai.operation.name": OPERATIONS[t.endpoint],
+            "openai.api.type": API_TYPES.get(t.endpoint),
             "gen_ai.provider.name": self.settings.provider,
             "gen_ai.request.model": t.model,
             "gen_ai.request.stream": t.stream,

@@ -66,7 +66,7 @@ def rules() -> list[dict[str, Any]]:
     return [rule for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"]]
 
 
-def substitute(expr: str, rate_interval: str = "1m", range_: str = "5m") -> str:
-    """Grafana's variables, as the dashboard would send them with 'All' selected."""
+def substitute(expr: str, rate_interval: str = "1m", range_: str = "5m", endpoint: str = ".*") -> str:
+    """Grafana's variables, as the dashboard would send them with 'All' selected (or one endpoint)."""
     return (expr.replace("$__rate_interval", rate_interval).replace("$__range", range_).replace("$__interval", "15s")
-            .replace("$upstream", ".*").replace("$model", ".*").replace("$endpoint", ".*"))
+            .replace("$upstream", ".*").replace("$model", ".*").replace("$endpoint", endpoint))

@@ -14,7 +14,7 @@ def parse(argv, env):
 
 def test_defaults():
     s = parse([], {})
-    assert s.port == 8080 and s.token_spans == "off" and s.inject_usage is True
+    assert s.port == 8080 and s.token_spans == "offsets" and s.inject_usage is True
 
 
 def test_environment_fills_what_flags_leave():

@@ -13,8 +13,9 @@ def test_demo_prints_the_measured_split():
                          cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     lines = [line for line in out.stdout.splitlines() if line.startswith("│")]
-    assert len(lines) == 7
-    rows, reasoning = lines[:4], [[cell.strip() for cell in line.split("│")[1:-1]] for line in lines[4:]]
+    assert len(lines) == 9
+    cells = [[cell.strip() for cell in line.split("│")[1:-1]] for line in lines]
+    rows, reasoning, apis = lines[:4], cells[4:7], cells[7:]
     assert rows[0].split("│")[1].strip() == "100" and rows[-1].split("│")[1].strip() == "10000"
     # 20 output tokens at 100 tok/s = 0.19 s of decode: prefill dominates from 1,000 prompt tokens on.
     assert rows[0].rstrip(" │").endswith("decode") and rows[-1].rstrip(" │").endswith("prefill")
@@ -23,3 +24,8 @@ def test_demo_prints_the_measured_split():
     none, visible, hidden = reasoning
     assert none[2] == visible[2] == "0.00 ms" and hidden[2] != "0.00 ms"
     assert hidden[8] == "40" and visible[8] == "0"
+    # Chat and the Responses API: the same request, the same measured numbers.
+    assert [r[0] for r in apis] == ["chat", "responses"]
+    chat, responses = apis
+    assert chat[6:] == responses[6:] == [chat[6], "20"]  # prompt and completion tokens agree
+    assert chat[1].endswith("ms") and responses[1].endswith("ms")

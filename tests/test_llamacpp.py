@@ -168,3 +168,25 @@ def test_batch_totals_agree_with_the_engine_metrics(engine, via):
     assert any(s.name == "queue" for s in spans)
     server_span = next(s for s in spans if s.name == "chat tiny-llama")
     assert server_span.attributes["llmproxy.engine.source"] == "llama.cpp"
+
+
+def test_the_responses_api_against_llama_cpp(engine, via):
+    """The pinned llama.cpp server (xllamacpp 2026.10.11549) serves /v1/responses (it converts the
+    request to a chat completion internally): the proxy times it as it times chat, and its numbers
+    agree with the engine's metrics for the same requests."""
+    c = openai.OpenAI(base_url=via.v1, api_key="sk-test", max_retries=0)
+    before_records, before = len(via.records()), engine.metrics()
+    finals = []
+    for _ in range(4):
+        prompt = f"# request {time.monotonic_ns()}\n" + LINE * 4
+        events = list(c.responses.create(model="tiny-llama", input=prompt, max_output_tokens=12, stream=True, temperature=0))
+        assert events[-1].type == "response.completed"
+        finals.append(events[-1].response)
+    records = via.wait_records(before_records + 4)[before_records:]
+    after = engine.metrics()
+    assert all(r["endpoint"] == "responses" and r["outcome"] == "ok" and r["stream"] for r in records)
+    assert [r["completion_tokens"] for r in records] == [f.usage.output_tokens for f in finals]
+    assert all(r["token_source"] == "usage" and r["ttft_s"] is not None and r["content_chunks"] >= 2 for r in records)
+    generated = after["llamacpp:tokens_predicted_total"] - before.get("llamacpp:tokens_predicted_total", 0.0)
+    assert generated == sum(r["completion_tokens"] for r in records)
+    assert all(r["ttft_s"] < r["duration_s"] and r["decode_tokens_per_second"] > 0 for r in records)

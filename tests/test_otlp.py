@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gzip
+import statistics
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -82,3 +83,40 @@ def test_spans_exported_over_otlp_http(sim):
     sent = sim.stats()["last_headers"]["traceparent"]
     assert sent.split("-")[:3] == ["00", upstream.trace_id.hex(), upstream.span_id.hex()]
     assert int(sent.split("-")[3], 16) & 1  # sampled
+
+
+def test_every_token_is_stamped_by_default_and_read_back_from_otlp(sim):
+    """No flag: the decode span carries one offset per content chunk. Read back from a real OTLP/HTTP
+    export, each is within 1 ms of the simulator's schedule (a token every 20 ms after the first),
+    for chat and for the Responses API."""
+    receiver = Receiver()
+    port = free_port()
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, "OTEL_BSP_SCHEDULE_DELAY": "100"}
+    proxy = Process(["serve", "--upstream", f"{sim.url}/v1", "--port", str(port)], f"http://127.0.0.1:{port}/healthz", env)
+    schedule = {"x-sim-ttft-ms": "50", "x-sim-decode-tps": "50"}
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-test", max_retries=0)
+        for _ in c.chat.completions.create(model="sim-7b", messages=[{"role": "user", "content": "x"}], max_tokens=20, stream=True,
+                                           extra_headers=schedule):
+            pass
+        for _ in c.responses.create(model="sim-7b", input="x", max_output_tokens=10, stream=True, extra_headers=schedule):
+            pass
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and sum(name == "decode" for name, _, _ in receiver.spans()) < 2:
+            time.sleep(0.05)
+    finally:
+        proxy.stop()
+        receiver.server.shutdown()
+    decodes = [span for name, span, _ in receiver.spans() if name == "decode"]
+    stamps = sorted(([v.int_value for v in a.value.array_value.values] for span in decodes for a in span.attributes
+                     if a.key == "llmproxy.chunk.offsets_us"), key=len)
+    assert [len(s) for s in stamps] == [10, 20]  # the Responses API stream, then chat: one stamp per token
+    for offsets in stamps:
+        # The schedule is a grid of 20 ms; its phase is the first token's own time, which the
+        # offsets are counted from, so it is fitted (the median) rather than taken from one stamp.
+        errors_us = [offset - k * 20_000 for k, offset in enumerate(offsets)]
+        phase = statistics.median(errors_us)
+        assert abs(phase) <= 2000 and all(abs(e - phase) <= 1000 for e in errors_us), errors_us
+    ttfts = [a.value.double_value for _, span, _ in receiver.spans() for a in span.attributes if a.key == "gen_ai.response.time_to_first_chunk"]
+    assert len(ttfts) == 2 and all(abs(t - 0.050) < 0.010 for t in ttfts), ttfts  # and the first one where the schedule put it
+    assert not [s for name, s, _ in receiver.spans() if name == "chunk"]  # no span per chunk by default

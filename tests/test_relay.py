@@ -9,7 +9,7 @@ import openai
 import orjson
 import pytest
 
-from servers import ProxyServer, Simulator
+from servers import ProxyServer
 from proxy.demo import free_port
 
 pytestmark = pytest.mark.e2e

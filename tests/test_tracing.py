@@ -103,3 +103,27 @@ def test_a_failing_split_still_sends_the_server_and_client_spans():
     assert tracing.started == tracing.exported == 1
     root = next(s for s in exporter.get_finished_spans() if s.kind == SpanKind.SERVER)
     assert root.parent is None and root.context.trace_id == int(spans.trace_id, 16)
+
+
+def test_offsets_by_default_one_per_content_chunk_from_the_record():
+    """The default representation: arrays on the decode span, in µs after its start (the first chunk)."""
+    by_name, spans, _ = run(Settings(upstream="http://x:1/v1").token_spans)
+    decode = by_name["decode"]
+    t = streaming_record()
+    assert list(decode.attributes["llmproxy.chunk.offsets_us"]) == [(ns - t.content_ns[0]) // 1000 for ns in t.content_ns] == [0, 10_000, 20_000]
+    assert decode.attributes["llmproxy.chunk.offsets_us"][0] == 0 and len(t.content_ns) == 3
+    assert "llmproxy.chunk.choices" not in decode.attributes  # one choice: no choices array
+    assert not [s for s in spans if s.name == "chunk"] and not decode.events
+
+
+def test_offsets_carry_choices_and_token_counts_when_they_say_something():
+    exporter, tracing = in_memory("offsets")
+    t = streaming_record()
+    t.status_code = 200
+    t.content_choice = [0, 1, 0]
+    t.chunk_tokens = [1.0, 2.5, 1.5]
+    spans = tracing.start({}, t, t.received_ns + OFFSET)
+    tracing.finish(spans, t, split(t), OFFSET)
+    decode = next(s for s in exporter.get_finished_spans() if s.name == "decode")
+    assert list(decode.attributes["llmproxy.chunk.choices"]) == [0, 1, 0]
+    assert list(decode.attributes["llmproxy.chunk.tokens"]) == [1.0, 2.5, 1.5]

@@ -10,6 +10,7 @@ import asyncio
 import hmac
 import logging
 import os
+import sqlite3
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
@@ -17,6 +18,7 @@ from fastapi import FastAPI, Request, Response
 from prometheus_client import CollectorRegistry
 from starlette.types import Receive, Scope, Send
 
+from . import records
 from .acceptor import ProxyLoop
 from .admission import Admission, raise_open_files_limit
 from .config import Settings
@@ -25,6 +27,7 @@ from .metrics import ProxyMetrics, multiprocess_enabled
 from .relay import Exchange
 from .request import filter_headers
 from .offload import Offload
+from .records import RecordStore
 from .telemetry import Telemetry
 from .tokens import Tokenizer
 from .tracing import Tracing, build_tracer_provider
@@ -93,6 +96,10 @@ class ProxyApp:
         loop = asyncio.get_running_loop()
         if isinstance(loop, ProxyLoop):  # (a test may serve the app on another loop)
             loop.on_pause = count_pause
+        records_path = self.settings.records_path
+        if records_path:  # the writer thread, in each worker (all write to one file, WAL mode)
+            self.telemetry.records_sink.store = RecordStore(records_path, self.settings.records_max_rows,
+                                                            self.settings.records_max_age, lambda: self.telemetry.count_error("records"))
         tokenizer = self.telemetry.tokenizer
         if tokenizer is not None:  # load the BPE tables before the first request needs them
             tokenizer.preload()
@@ -102,6 +109,9 @@ class ProxyApp:
         finally:
             watcher.cancel()
             await self.telemetry.drain()  # every finished request exported before the exporters stop
+            store = self.telemetry.records_sink.store
+            if store is not None:
+                await asyncio.to_thread(store.close)
             self.upstream.close()
             if self.tracer_provider is not None:
                 self.tracer_provider.shutdown()
@@ -146,10 +156,19 @@ class ProxyApp:
             return Response(body, media_type=content_type)
 
         @app.get("/llmproxy/requests")
-        async def requests(limit: int = 100) -> list[dict[str, Any]]:
-            """The most recent per-request records, newest last (this worker's only)."""
-            records = list(telemetry.records)
-            return records[-limit:] if limit > 0 else []
+        async def requests(limit: int = 100, model: str = "", upstream: str = "", outcome: str = "") -> Any:
+            """The most recent per-request records, newest last: every worker's, from the records
+            database (this worker's in memory when records are off or unreadable)."""
+            path = self.settings.records_path
+            if path and telemetry.records_sink.store is not None:
+                await asyncio.to_thread(telemetry.records_sink.store.flush)
+                try:
+                    return await asyncio.to_thread(records.recent, path, limit, model, upstream, outcome)
+                except sqlite3.Error:
+                    telemetry.count_error("records")
+            rows = [r for r in telemetry.records if (not model or r["model"] == model) and (not upstream or r["upstream"] == upstream)
+                    and (not outcome or r["outcome"] == outcome)]
+            return rows[-limit:] if limit > 0 else []
 
         return app
 

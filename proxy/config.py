@@ -68,7 +68,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("token_spans", str, "offsets", "per-chunk stamps on the decode span: offsets (arrays of µs offsets, tokens and choices per chunk: the default, near free), events (a span event per chunk), spans (a span per chunk) or off; costs in bench/RESULTS.md"),
     Option("otlp_endpoint", str, "", "OTLP/HTTP endpoint for spans (default: the OTEL_EXPORTER_OTLP_* variables)"),
     Option("service_name", str, "", "service.name of the spans (default: OTEL_SERVICE_NAME or llm-latency-proxy)"),
-    Option("records", int, 1000, "recent per-request records kept in memory for GET /llmproxy/requests"),
+    Option("records", int, 1000, "recent per-request records kept in memory (for GET /llmproxy/requests when --records-db is off)"),
+    Option("records_db", str, "auto", "SQLite file for durable per-request records (auto: records-PORT.sqlite in the user data directory, $XDG_DATA_HOME or ~/.local/share/llm-latency-proxy; empty: off)"),
+    Option("records_max_rows", int, 1_000_000, "records kept in the database at most (oldest deleted first; 0: no limit)"),
+    Option("records_max_age", float, 7 * 24 * 3600.0, "seconds a record is kept in the database (0: no limit)"),
     Option("log_requests", bool, False, "log one JSON line per finished request (timings only, no text)"),
     Option("log_level", str, "warning", "log level of the proxy and uvicorn"),
 )
@@ -125,6 +128,9 @@ class Settings:
     otlp_endpoint: str = ""
     service_name: str = ""
     records: int = 1000
+    records_db: str = "auto"
+    records_max_rows: int = 1_000_000
+    records_max_age: float = 7 * 24 * 3600.0
     log_requests: bool = False
     log_level: str = "warning"
     # Not a flag: the resolved upstream key, read from the env var named above at build time.
@@ -162,6 +168,15 @@ class Settings:
             return self.provider_name
         host = self.upstream_parts[1]
         return "openai" if host == "openai.com" or host.endswith(".openai.com") else "openai_compatible"
+
+    @property
+    def records_path(self) -> str:
+        """The records database file, or "" when records are off."""
+        if self.records_db != "auto":
+            return self.records_db
+        from .records import default_path
+
+        return default_path(self.port)
 
     def client_keys(self) -> tuple[str, ...]:
         """The keys clients may present (--api-key and --api-keys-file); empty: no proxy auth."""

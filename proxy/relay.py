@@ -294,6 +294,8 @@ class Exchange:
             return None
         chunk = parse_chunk(data)
         t = self.t
+        if chunk.texts and not t.content_ns:  # decode starts: how many requests share the engine now
+            t.in_flight_at_decode = self.app.admission.in_flight
         for index, text in chunk.texts:
             t.content_ns.append(now)
             t.content_choice.append(index)

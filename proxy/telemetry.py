@@ -22,6 +22,7 @@ from .chunk import BodyInfo, read_usage
 from .config import Settings
 from .metrics import ProxyMetrics
 from .offload import Offload
+from .records import RecordStore
 from .timing import Breakdown, RequestTiming, split
 from .tokens import PromptParts, Tokenizer, prompt_parts
 from .tracing import RequestSpans, Tracing
@@ -47,6 +48,9 @@ class RequestContext:
     @property
     def trace_id(self) -> str | None:
         return self.spans.trace_id if self.spans is not None else None
+
+
+MAX_OFFSETS = 4096  # content-chunk offsets kept per record
 
 
 def record_dict(ctx: RequestContext, b: Breakdown) -> dict[str, Any]:
@@ -87,6 +91,11 @@ def record_dict(ctx: RequestContext, b: Breakdown) -> dict[str, Any]:
         "malformed_chunks": t.malformed_chunks,
         "inter_token_p50_s": _median(b.inter_token_s),
         "engine": t.engine.as_dict() if t.engine is not None else None,
+        "received_unix_ns": t.received_ns + ctx.wall_offset_ns,
+        "in_flight_at_decode": t.in_flight_at_decode,
+        # Each content chunk's arrival, ms after the request was received (the waterfall's ticks).
+        "content_offsets_ms": [round((ns - t.received_ns) / 1e6, 3) for ns in t.content_ns[:MAX_OFFSETS]],
+        "content_offsets_truncated": len(t.content_ns) > MAX_OFFSETS,
     }
     if ctx.trace_id:
         record["trace_id"] = ctx.trace_id
@@ -130,17 +139,24 @@ class SpansSink:
 
 
 class RecordsSink:
+    """The recent records in memory, the durable store (records.py) when on, and the request log."""
+
     name = "records"
 
-    def __init__(self, size: int, log_requests: bool) -> None:
+    def __init__(self, size: int, log_requests: bool, upstream: str) -> None:
         self.records: collections.deque[dict[str, Any]] = collections.deque(maxlen=max(1, size))
         self.log_requests = log_requests
+        self.upstream = upstream
+        self.store: RecordStore | None = None  # opened by the app at start-up, in each worker
 
     def export(self, ctx: RequestContext, b: Breakdown | None) -> None:
         if b is None:
             return
         record = record_dict(ctx, b)
+        record["upstream"] = self.upstream
         self.records.append(record)
+        if self.store is not None:
+            self.store.add(record, ctx.timing.model, self.upstream)
         if self.log_requests:
             request_log.info(orjson.dumps(record).decode())
 
@@ -153,7 +169,7 @@ class Telemetry:
         self.tokenizer = tokenizer
         self.offload = offload
         self.upstream = settings.upstream_label
-        self.records_sink = RecordsSink(settings.records, settings.log_requests)
+        self.records_sink = RecordsSink(settings.records, settings.log_requests, self.upstream)
         self.sinks: tuple[Sink, ...] = (MetricsSink(metrics, self.upstream), SpansSink(tracing), self.records_sink)
         self.in_flight = metrics.in_flight(self.upstream)
         self._logged: set[str] = set()

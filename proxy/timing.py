@@ -97,6 +97,7 @@ class RequestTiming:
     captured_input: str = ""  # prompt text, only with --capture-content (spans only)
     captured_output: str = ""  # completion text, only with --capture-content (spans only)
     in_flight: bool = False  # counted in llmproxy_requests_in_flight (refused requests never are)
+    in_flight_at_decode: int | None = None  # requests in flight in this worker when its first content chunk came
 
     @property
     def reused(self) -> bool | None:

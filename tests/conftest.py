@@ -1,13 +1,18 @@
 """Fixtures: one simulator process per session, proxies in this process on real sockets."""
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# Records databases (on by default, in the user data directory) go to a directory of this session,
+# for every proxy the tests start, in this process or as a child.
+os.environ["XDG_DATA_HOME"] = tempfile.mkdtemp(prefix="llmproxy-test-data-")
 
 from servers import ProxyServer, Simulator  # noqa: E402
 

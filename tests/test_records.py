@@ -1,0 +1,136 @@
+"""Durable per-request records in SQLite: every outcome and every worker written, nothing secret
+stored, retention enforced, a locked or corrupt file never reaches a request."""
+from __future__ import annotations
+
+import sqlite3
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from servers import Process
+from proxy.demo import free_port
+from proxy.records import RecordStore, recent
+
+pytestmark = pytest.mark.e2e
+KEY = "sk-live-RECORDS-SECRET-0123456789"
+PROMPT = "PROMPT-MARKER-6d1f2 tell me about the weather"
+
+
+def rows(path: Path) -> list[tuple]:
+    db = sqlite3.connect(path)
+    try:
+        return db.execute("SELECT pid, model, endpoint, outcome FROM requests ORDER BY id").fetchall()
+    finally:
+        db.close()
+
+
+def test_every_outcome_is_written_and_nothing_secret_is(proxy_factory, tmp_path):
+    path = tmp_path / "records.sqlite"
+    proxy = proxy_factory(records_db=str(path), first_token_timeout=0.3, max_in_flight=1)
+    client = openai.OpenAI(base_url=proxy.v1, api_key=KEY, max_retries=0)
+    messages = [{"role": "user", "content": PROMPT}]
+    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="sim-7b", messages=messages, max_tokens=12, stream=True) if c.choices)
+    with pytest.raises(openai.InternalServerError):
+        client.chat.completions.create(model="sim-7b", messages=messages, max_tokens=3, extra_headers={"x-sim-error-status": "500"})
+    with pytest.raises(openai.APIStatusError):  # 504: no first token within 0.3 s
+        client.chat.completions.create(model="sim-7b", messages=messages, max_tokens=3, extra_headers={"x-sim-ttft-ms": "2000"})
+    slow = client.chat.completions.create(model="sim-7b", messages=messages, max_tokens=40, stream=True,
+                                          extra_headers={"x-sim-decode-tps": "20"})
+    next(iter(slow))
+    with pytest.raises(openai.APIStatusError):  # over --max-in-flight 1
+        client.chat.completions.create(model="sim-7b", messages=messages, max_tokens=3)
+    slow.close()  # the client leaves mid-stream
+    client.responses.create(model="sim-7b", input=PROMPT, max_output_tokens=5)
+    records = proxy.wait_records(6, timeout=10)
+    outcomes = sorted(r["outcome"] for r in records)
+    assert outcomes == sorted(["ok", "upstream_error", "timeout", "overloaded", "client_disconnect", "ok"]), outcomes
+    stored = rows(path)
+    assert sorted(outcome for *_, outcome in stored) == outcomes  # /llmproxy/requests read the database
+    assert {endpoint for _, _, endpoint, _ in stored} == {"chat", "responses", "other"}  # (shed before its body was read)
+    first = records[0]
+    assert first["content_chunks"] == 12 and len(first["content_offsets_ms"]) == 12 and first["upstream"]
+    assert first["in_flight_at_decode"] == 1 and first["received_unix_ns"] > 1.7e18
+    raw = b"".join(p.read_bytes() for p in tmp_path.iterdir() if p.name.startswith("records.sqlite"))
+    assert KEY.encode() not in raw and b"RECORDS-SECRET" not in raw and b"PROMPT-MARKER" not in raw
+    assert len(text) > 20 and text.encode() not in raw  # nor the completion
+
+
+def test_every_worker_writes_and_nothing_is_lost(tmp_path, sim):
+    path = tmp_path / "records.sqlite"
+    port = free_port()
+    proxy = Process(["serve", "--upstream", f"{sim.url}/v1", "--port", str(port), "--workers", "2", "--records-db", str(path)],
+                    f"http://127.0.0.1:{port}/healthz")
+    body = {"model": "sim-7b", "messages": [{"role": "user", "content": "x"}], "max_tokens": 5, "stream": True}
+
+    def one(_: int) -> int:
+        with httpx.Client(timeout=30) as c:  # a new connection per request: the kernel spreads them over both workers
+            return c.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body).status_code
+
+    sent = 0
+    try:
+        for _ in range(10):  # which worker accepts is the kernel's choice: batches until both served some
+            with ThreadPoolExecutor(8) as pool:
+                assert list(pool.map(one, range(40))) == [200] * 40
+            sent += 40
+            served = httpx.get(f"http://127.0.0.1:{port}/llmproxy/requests", params={"limit": 10_000}).json()
+            if len({pid for pid, *_ in rows(path)}) == 2:
+                break
+    finally:
+        proxy.stop()
+    stored = rows(path)
+    assert len(stored) == sent and len(served) == sent  # every worker's records, none lost, from either worker
+    assert len({pid for pid, *_ in stored}) == 2, "both workers wrote"
+
+
+def test_retention_keeps_rows_and_age_bounded(tmp_path):
+    path = str(tmp_path / "r.sqlite")
+    errors: list[int] = []
+    store = RecordStore(path, max_rows=50, max_age_s=1.0, on_error=lambda: errors.append(1))
+    record = {"endpoint": "chat", "stream": True, "outcome": "ok", "model": "m"}
+    for _ in range(200):
+        store.add(record, "m", "u")
+    store.flush()
+    assert len(recent(path, 1000)) == 50
+    time.sleep(1.2)
+    store.add(record, "m", "u")
+    store.flush()
+    assert len(recent(path, 1000)) == 1  # the 50 older than max_age are gone
+    store.close()
+    assert not errors
+
+
+def test_a_locked_file_is_counted_and_written_once_free(tmp_path):
+    path = str(tmp_path / "r.sqlite")
+    errors: list[int] = []
+    store = RecordStore(path, max_rows=0, max_age_s=0, on_error=lambda: errors.append(1), busy_timeout_s=0.2)
+    record = {"endpoint": "chat", "stream": True, "outcome": "ok", "model": "m"}
+    store.add(record, "m", "u")
+    store.flush()
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")  # another process holding the write lock
+    store.add(record, "m", "u")
+    store.flush(timeout=5)
+    assert errors, "the locked write was counted"
+    holder.execute("ROLLBACK")
+    holder.close()
+    store.add(record, "m", "u")
+    store.flush()
+    store.close()
+    assert len(recent(path, 10)) == 2  # the first and the last; the one during the lock was lost, and counted
+
+
+def test_a_corrupt_file_never_reaches_a_request(proxy_factory, tmp_path):
+    path = tmp_path / "records.sqlite"
+    path.write_bytes(b"this is not a database " * 100)
+    proxy = proxy_factory(records_db=str(path))
+    client = openai.OpenAI(base_url=proxy.v1, api_key="k", max_retries=0)
+    for _ in range(3):
+        assert client.chat.completions.create(model="sim-7b", messages=[{"role": "user", "content": "hi"}], max_tokens=3).choices
+    records = proxy.wait_records(3)  # served from memory when the database cannot be read
+    assert len(records) == 3 and all(r["outcome"] == "ok" for r in records)
+    assert proxy.sample("llmproxy_telemetry_errors_total", {"component": "records"}) >= 1

@@ -42,6 +42,28 @@ def demo(args: argparse.Namespace) -> int:
     return run_demo(repeats=args.repeats, output_tokens=args.output_tokens)
 
 
+def explain(args: argparse.Namespace) -> int:
+    import glob
+
+    from .explain import explain as analyse, load as load_records, render, to_json
+    from .records import default_path
+
+    paths = args.db or sorted(glob.glob(default_path(0).replace("records-0.sqlite", "records-*.sqlite")))
+    if not paths:
+        raise ValueError("no records database: pass --db PATH (the proxy's --records-db)")
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    since = float(args.since[:-1]) * units[args.since[-1]] if args.since else 0.0
+    hardware = None
+    if args.roofline:
+        if not (args.params and args.bandwidth):
+            raise ValueError("--roofline needs --params and --bandwidth")
+        hardware = {"params": args.params, "bytes_per_param": args.bytes_per_param, "bandwidth": args.bandwidth,
+                    "kv_bytes_per_token": args.kv_bytes_per_token}
+    report = analyse(load_records(paths, since, args.model), hardware)
+    print(to_json(report) if args.json else render(report))
+    return 0
+
+
 def load(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -82,6 +104,18 @@ def parser() -> argparse.ArgumentParser:
     p_demo.add_argument("--repeats", type=int, default=3, help="requests per case (the table shows medians)")
     p_demo.add_argument("--output-tokens", type=int, default=100)
     p_demo.set_defaults(func=demo)
+
+    p_explain = commands.add_parser("explain", help="the latency budget of recorded traffic: fits, split, crossover, what-ifs")
+    p_explain.add_argument("--db", action="append", default=[], help="records database (repeat: one per replica; default: this machine's)")
+    p_explain.add_argument("--since", default="", help="only requests that ended in this window: 90s, 30m, 1h, 2d")
+    p_explain.add_argument("--model", default="")
+    p_explain.add_argument("--json", action="store_true", help="the whole report as JSON")
+    p_explain.add_argument("--roofline", action="store_true", help="compare decode with the bandwidth-bound ceiling (needs --params, --bandwidth)")
+    p_explain.add_argument("--params", type=float, default=0.0, help="model parameters, e.g. 7e9")
+    p_explain.add_argument("--bytes-per-param", type=float, default=2.0)
+    p_explain.add_argument("--bandwidth", type=float, default=0.0, help="memory bandwidth in bytes/s, e.g. 3.35e12")
+    p_explain.add_argument("--kv-bytes-per-token", type=float, default=0.0)
+    p_explain.set_defaults(func=explain)
 
     p_load = commands.add_parser("load", help="send a bounded traffic mix (chat/completions, stream or not, some errors)")
     p_load.add_argument("--base-url", default="http://127.0.0.1:8080/v1")

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install prometheus demo test test-fast test-vllm bench soak lock audit dashboards clean
+.PHONY: install prometheus chromium demo test test-fast test-vllm bench soak lock audit dashboards clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +20,10 @@ demo: $(STAMP)
 prometheus:
 	scripts/ensure-prometheus.sh
 
-test: $(STAMP) prometheus
+chromium:
+	scripts/ensure-chromium.sh
+
+test: $(STAMP) prometheus chromium
 	$(PY) -m mypy
 	$(PY) -m pytest
 
@@ -62,6 +65,7 @@ bench: $(STAMP) $(LITELLM_VENV)/.installed
 	$(PY) bench/tracing_cost.py
 	$(PY) bench/overhead.py --pairs 300
 	$(PY) bench/overload.py --cap 128 --burst 512 --rounds 4 --out bench/overload.json
+	$(PY) bench/records_cost.py
 	$(if $(BEFORE),$(PY) bench/accept.py --before $(BEFORE))
 
 soak: $(STAMP)

@@ -12,6 +12,7 @@ import logging
 import os
 import sqlite3
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request, Response
@@ -135,9 +136,12 @@ class ProxyApp:
         app = FastAPI(title="llm-latency-proxy", lifespan=self.lifespan, docs_url=None, redoc_url=None, openapi_url=None)
         metrics, telemetry, admin_key = self.metrics, self.telemetry, self.settings.admin_key
 
+        page = (Path(__file__).parent / "waterfall.html").read_bytes()
+
         @app.middleware("http")
         async def protect(request: Request, call_next: Any) -> Response:
-            if admin_key and request.url.path != "/healthz":
+            # /ui is a static page holding no data: its data endpoint asks for the key.
+            if admin_key and request.url.path not in ("/healthz", "/ui"):
                 given = request.headers.get("authorization", "")
                 if not hmac.compare_digest(given.encode(), f"Bearer {admin_key}".encode()):
                     return Response(error_body("missing or incorrect admin key", "invalid_request_error", "invalid_api_key"),
@@ -154,6 +158,11 @@ class ProxyApp:
             # streams on it) for the whole render; the GIL still switches every 5 ms.
             body, content_type = await asyncio.to_thread(metrics.render, request.headers.get("accept", ""))
             return Response(body, media_type=content_type)
+
+        @app.get("/ui")
+        async def ui() -> Response:
+            """The live waterfall page (proxy/waterfall.html): every recent request split by phase."""
+            return Response(page, media_type="text/html; charset=utf-8")
 
         @app.get("/llmproxy/requests")
         async def requests(limit: int = 100, model: str = "", upstream: str = "", outcome: str = "") -> Any:

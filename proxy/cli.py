@@ -45,7 +45,9 @@ def demo(args: argparse.Namespace) -> int:
 def explain(args: argparse.Namespace) -> int:
     import glob
 
-    from .explain import explain as analyse, load as load_records, render, to_json
+    from .explain import explain as analyse
+    from .explain import load as load_records
+    from .explain import render, to_json
     from .records import default_path
 
     paths = args.db or sorted(glob.glob(default_path(0).replace("records-0.sqlite", "records-*.sqlite")))
@@ -59,8 +61,13 @@ def explain(args: argparse.Namespace) -> int:
             raise ValueError("--roofline needs --params and --bandwidth")
         hardware = {"params": args.params, "bytes_per_param": args.bytes_per_param, "bandwidth": args.bandwidth,
                     "kv_bytes_per_token": args.kv_bytes_per_token}
-    report = analyse(load_records(paths, since, args.model), hardware)
+    records = load_records(paths, since, args.model)
+    report = analyse(records, hardware)
     print(to_json(report) if args.json else render(report))
+    if args.plot:
+        from .explain import plot
+
+        plot(records, report, args.plot)
     return 0
 
 
@@ -110,6 +117,7 @@ def parser() -> argparse.ArgumentParser:
     p_explain.add_argument("--since", default="", help="only requests that ended in this window: 90s, 30m, 1h, 2d")
     p_explain.add_argument("--model", default="")
     p_explain.add_argument("--json", action="store_true", help="the whole report as JSON")
+    p_explain.add_argument("--plot", default="", help="write the fits as a PNG here (needs matplotlib: the [plot] extra)")
     p_explain.add_argument("--roofline", action="store_true", help="compare decode with the bandwidth-bound ceiling (needs --params, --bandwidth)")
     p_explain.add_argument("--params", type=float, default=0.0, help="model parameters, e.g. 7e9")
     p_explain.add_argument("--bytes-per-param", type=float, default=2.0)

@@ -16,6 +16,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any, Iterator
 
@@ -218,8 +219,10 @@ def run_demo(repeats: int = 3, output_tokens: int = 100) -> int:
     sim_port, proxy_port = free_port(), free_port()
     sim_url, proxy_url = f"http://127.0.0.1:{sim_port}", f"http://127.0.0.1:{proxy_port}"
     print(f"simulator on {sim_url} (prefill {PREFILL_TPS:.0f} tok/s, decode {DECODE_TPS:.0f} tok/s); proxy on {proxy_url}")
+    records_db = os.path.join(tempfile.mkdtemp(prefix="llmproxy-demo-"), "records.sqlite")
     with started(["simulate", "--port", str(sim_port)], f"{sim_url}/health"), \
-         started(["serve", "--upstream", f"{sim_url}/v1", "--port", str(proxy_port)], f"{proxy_url}/healthz"):
+         started(["serve", "--upstream", f"{sim_url}/v1", "--port", str(proxy_port), "--records-db", records_db], f"{proxy_url}/healthz"):
+        print(f"live waterfall of every request while the demo runs: {proxy_url}/ui")
         run_cases(proxy_url, repeats, output_tokens)
         run_reasoning(proxy_url, repeats, output_tokens)
         run_apis(proxy_url, repeats, output_tokens)
@@ -229,4 +232,9 @@ def run_demo(repeats: int = 3, output_tokens: int = 100) -> int:
     print_table(summarise(records[:cases], repeats, output_tokens))
     print_reasoning(reasoning_rows(records[cases : cases + reasoning], repeats), output_tokens)
     print_apis(records[cases + reasoning :], output_tokens)
+    from .explain import explain, load, render
+
+    print(f"\nllm-latency-proxy explain --db {records_db}   (the demo's traffic, from its records database)\n")
+    print(render(explain(load([records_db]))))
+    print(f"With a proxy running, {proxy_url.rsplit(':', 1)[0]}:PORT/ui shows every request as it finishes (the demo's was {proxy_url}/ui).")
     return 0

@@ -218,3 +218,41 @@ def render(report: dict[str, Any]) -> str:
 
 def to_json(report: dict[str, Any]) -> str:
     return json.dumps(report, indent=2)
+
+
+def plot(records: list[dict[str, Any]], report: dict[str, Any], path: str) -> None:
+    """Per model and upstream: prefill seconds vs uncached prompt tokens with the fit, and seconds
+    per output token vs requests in flight with the fit (matplotlib: `pip install '.[plot]'`)."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install 'llm-latency-proxy[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report)
+    fig, axes = plt.subplots(len(names), 2, figsize=(11, 3.6 * max(1, len(names))), squeeze=False)
+    for row, name in enumerate(names):
+        group = [r for r in records if f"{r['model']} @ {r.get('upstream', '')}" == name and r["outcome"] == "ok" and r.get("ttft_s") is not None]
+        g, left, right = report[name], axes[row][0], axes[row][1]
+        xs = [r["prompt_tokens"] - (r.get("cached_prompt_tokens") or 0) for r in group if r.get("prompt_tokens") is not None and "prefill" in r["phases_s"]]
+        ys = [r["phases_s"]["prefill"] for r in group if r.get("prompt_tokens") is not None and "prefill" in r["phases_s"]]
+        left.scatter(xs, ys, s=8, alpha=0.6)
+        if "prefill" in g and xs:
+            p = g["prefill"]
+            left.plot([0, max(xs)], [p["intercept"], p["intercept"] + p["slope"] * max(xs)], color="black",
+                      label=f"{p['tokens_per_second'] or 0:,.0f} tok/s + {p['fixed_cost_s'] * 1000:.1f} ms (R² {p['r2']:.2f})")
+            left.legend(loc="upper left")
+        left.set(title=f"{name}: prefill", xlabel="uncached prompt tokens", ylabel="prefill seconds")
+        cx = [r["in_flight_at_decode"] for r in group if r.get("decode_tokens_per_second") and r.get("in_flight_at_decode")]
+        cy = [1000 / r["decode_tokens_per_second"] for r in group if r.get("decode_tokens_per_second") and r.get("in_flight_at_decode")]
+        right.scatter(cx, cy, s=8, alpha=0.6)
+        d = g.get("decode", {})
+        if "slope" in d and cx:
+            right.plot([1, max(cx)], [1000 * (d["intercept"] + d["slope"]), 1000 * (d["intercept"] + d["slope"] * max(cx))], color="black",
+                       label=f"ITL = {d['intercept'] * 1000:.2f} + {d['slope'] * 1000:.3f}·n ms (R² {d['r2']:.2f})")
+            right.legend(loc="upper left")
+        right.set(title=f"{name}: decode", xlabel="requests in flight when decoding started", ylabel="ms per output token")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

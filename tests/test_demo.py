@@ -29,3 +29,6 @@ def test_demo_prints_the_measured_split():
     chat, responses = apis
     assert chat[6:] == responses[6:] == [chat[6], "20"]  # prompt and completion tokens agree
     assert chat[1].endswith("ms") and responses[1].endswith("ms")
+    # It ends with `explain` over its own traffic (read back from its records database) and the page's address.
+    assert "llm-latency-proxy explain --db" in out.stdout and "== sim-7b @ 127.0.0.1:" in out.stdout
+    assert "prefill: " in out.stdout and "dominates" in out.stdout and "/ui" in out.stdout

@@ -83,7 +83,9 @@ def test_real_traffic_through_the_simulator_at_two_prefill_rates(tmp_path):
                 httpx.post(f"{proxy.v1}/chat/completions", json=body, timeout=30).raise_for_status()
         proxy.wait_records(20)
         report = explain(load([str(path)]))
-        out = subprocess.run([sys.executable, "-m", "proxy", "explain", "--db", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        png = tmp_path / "fits.png"
+        out = subprocess.run([sys.executable, "-m", "proxy", "explain", "--db", str(path), "--plot", str(png)], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
     finally:
         proxy.stop()
         sim.proc.stop()
@@ -91,4 +93,5 @@ def test_real_traffic_through_the_simulator_at_two_prefill_rates(tmp_path):
     assert report[f"fast @ {upstream}"]["prefill"]["tokens_per_second"] == pytest.approx(5000, rel=0.10)
     assert report[f"slow @ {upstream}"]["prefill"]["tokens_per_second"] == pytest.approx(1000, rel=0.10)
     assert out.returncode == 0 and "prefill: " in out.stdout and "dominates" in out.stdout, out.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     print("\n" + out.stdout)

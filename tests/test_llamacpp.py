@@ -190,3 +190,26 @@ def test_the_responses_api_against_llama_cpp(engine, via):
     generated = after["llamacpp:tokens_predicted_total"] - before.get("llamacpp:tokens_predicted_total", 0.0)
     assert generated == sum(r["completion_tokens"] for r in records)
     assert all(r["ttft_s"] < r["duration_s"] and r["decode_tokens_per_second"] > 0 for r in records)
+
+
+def test_explain_over_llama_cpp_agrees_with_its_timings(engine, tmp_path):
+    """`explain` over real llama.cpp traffic (prompts of 1 to 16 lines, from its records database):
+    its fitted prefill and decode rates agree with the engine's own `timings` of the same requests."""
+    from proxy.explain import explain, load, render
+
+    path = tmp_path / "records.sqlite"
+    server = ProxyServer(f"{engine.url}/v1", records_db=str(path))
+    try:
+        ask(server, 1)
+        for lines in (1, 4, 8, 12, 16) * 3:
+            ask(server, lines, 16)
+        records = server.wait_records(16)[1:]
+    finally:
+        server.stop()
+    report = explain(load([str(path)]))
+    (group,) = report.values()
+    engine_prefill = statistics.median(r["engine"]["prompt_tokens"] / r["engine"]["prompt_s"] for r in records)
+    engine_itl = statistics.median(r["engine"]["per_token_s"] for r in records)
+    assert group["prefill"]["tokens_per_second"] == pytest.approx(engine_prefill, rel=0.25)
+    assert group["decode"]["itl_at_1_s"] == pytest.approx(engine_itl, rel=0.25)
+    print(f"\nengine: prefill {engine_prefill:,.0f} tok/s, {engine_itl * 1000:.2f} ms per token\n" + render(report))

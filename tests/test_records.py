@@ -30,7 +30,8 @@ def rows(path: Path) -> list[tuple]:
 
 def test_every_outcome_is_written_and_nothing_secret_is(proxy_factory, tmp_path):
     path = tmp_path / "records.sqlite"
-    proxy = proxy_factory(records_db=str(path), first_token_timeout=0.3, max_in_flight=1)
+    proxy = proxy_factory(records_db=str(path), first_token_timeout=0.3)
+    capped = proxy_factory(records_db=str(path), max_in_flight=1)  # a second proxy on the same file
     client = openai.OpenAI(base_url=proxy.v1, api_key=KEY, max_retries=0)
     messages = [{"role": "user", "content": PROMPT}]
     text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
@@ -39,11 +40,12 @@ def test_every_outcome_is_written_and_nothing_secret_is(proxy_factory, tmp_path)
         client.chat.completions.create(model="sim-7b", messages=messages, max_tokens=3, extra_headers={"x-sim-error-status": "500"})
     with pytest.raises(openai.APIStatusError):  # 504: no first token within 0.3 s
         client.chat.completions.create(model="sim-7b", messages=messages, max_tokens=3, extra_headers={"x-sim-ttft-ms": "2000"})
-    slow = client.chat.completions.create(model="sim-7b", messages=messages, max_tokens=40, stream=True,
-                                          extra_headers={"x-sim-decode-tps": "20"})
+    other = openai.OpenAI(base_url=capped.v1, api_key=KEY, max_retries=0)
+    slow = other.chat.completions.create(model="sim-7b", messages=messages, max_tokens=40, stream=True,
+                                         extra_headers={"x-sim-decode-tps": "20"})
     next(iter(slow))
     with pytest.raises(openai.APIStatusError):  # over --max-in-flight 1
-        client.chat.completions.create(model="sim-7b", messages=messages, max_tokens=3)
+        other.chat.completions.create(model="sim-7b", messages=messages, max_tokens=3)
     slow.close()  # the client leaves mid-stream
     client.responses.create(model="sim-7b", input=PROMPT, max_output_tokens=5)
     records = proxy.wait_records(6, timeout=10)
@@ -77,9 +79,12 @@ def test_every_worker_writes_and_nothing_is_lost(tmp_path, sim):
             with ThreadPoolExecutor(8) as pool:
                 assert list(pool.map(one, range(40))) == [200] * 40
             sent += 40
-            served = httpx.get(f"http://127.0.0.1:{port}/llmproxy/requests", params={"limit": 10_000}).json()
             if len({pid for pid, *_ in rows(path)}) == 2:
                 break
+        deadline = time.monotonic() + 5  # each worker writes within a quarter second of a request's end
+        while len(rows(path)) < sent and time.monotonic() < deadline:
+            time.sleep(0.05)
+        served = httpx.get(f"http://127.0.0.1:{port}/llmproxy/requests", params={"limit": 10_000}).json()
     finally:
         proxy.stop()
     stored = rows(path)

@@ -1,0 +1,54 @@
+"""What the records database costs the request path: the same proxy with records on (the default)
+and off (`--records-db ''`), side by side, interleaved rounds. Non-streaming requests per second
+(16 keep-alive clients, 1 output token: the per-request work dominates) and the proxy's CPU per
+request (its threads, the records writer included).
+
+    .venv/bin/python bench/records_cost.py
+"""
+from __future__ import annotations
+
+import asyncio
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import compare  # noqa: E402
+
+from proxy.demo import free_port, serve_command  # noqa: E402
+
+
+def main(rounds: int = 5, seconds: float = 5.0) -> int:
+    sim_port = free_port()
+    compare.SIM_URL = f"http://127.0.0.1:{sim_port}"
+    db = str(Path(tempfile.mkdtemp(prefix="llmproxy-bench-")) / "records.sqlite")
+    arms = {"records off": ["--records-db", ""], "records on": ["--records-db", db]}
+    ports = {name: free_port() for name in arms}
+    figures: dict[str, dict[str, list[float]]] = {name: {"rps": [], "cpu_us": []} for name in arms}
+    with compare.process([sys.executable, "-m", "proxy", "simulate", "--port", str(sim_port)], f"{compare.SIM_URL}/health"):
+        commands = {name: serve_command(str(Path(__file__).resolve().parent.parent), "serve", "--upstream", f"{compare.SIM_URL}/v1",
+                                        "--port", str(ports[name]), *flags) for name, flags in arms.items()}
+        with compare.process(commands["records off"], f"http://127.0.0.1:{ports['records off']}/healthz") as off, \
+                compare.process(commands["records on"], f"http://127.0.0.1:{ports['records on']}/healthz") as on:
+            pids = {"records off": off.pid, "records on": on.pid}
+            for name in arms:
+                asyncio.run(compare.non_streaming((ports[name], "/v1"), 1.0))
+            for round_ in range(rounds):
+                for name in (list(arms) if round_ % 2 == 0 else list(arms)[::-1]):
+                    before = compare.cpu_seconds(pids[name])
+                    result = asyncio.run(compare.non_streaming((ports[name], "/v1"), seconds))
+                    requests = result["rps"] * seconds
+                    figures[name]["rps"].append(result["rps"])
+                    figures[name]["cpu_us"].append((compare.cpu_seconds(pids[name]) - before) / max(1.0, requests) * 1e6)
+    print(f"command: .venv/bin/python bench/records_cost.py; {rounds} interleaved rounds of {seconds:g} s, medians")
+    print("| | non-streaming req/s | proxy CPU µs per request |")
+    print("|---|---|---|")
+    for name, f in figures.items():
+        print(f"| {name} | {statistics.median(f['rps']):,.0f} | {statistics.median(f['cpu_us']):.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,60 @@
+"""The live waterfall page (/ui) in a real headless Chromium (Debian's, driven by Playwright):
+one bar per request, each phase segment as wide as the record says, a tick per content chunk."""
+from __future__ import annotations
+
+import shutil
+
+import httpx
+import pytest
+
+from servers import ROOT
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+ARTIFACT = ROOT / "test-artifacts" / "waterfall.png"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]
+
+
+def test_the_waterfall_matches_the_records(proxy_factory, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    chromium = shutil.which("chromium")
+    assert chromium, "chromium missing: run `make test` (it installs Debian's chromium package)"
+    proxy = proxy_factory(records_db=str(tmp_path / "records.sqlite"))
+    with httpx.Client(base_url=proxy.v1, timeout=30) as client:
+        for tokens, prompt, headers in ((20, 200, {}), (40, 2000, {"x-sim-decode-tps": "80"}), (10, 50, {"x-sim-hidden-reasoning": "15"}),
+                                        (30, 800, {"x-sim-chunk-pattern": "3,1"}), (5, 100, {"x-sim-error-status": "500"})):
+            body = {"model": "sim-7b", "messages": [{"role": "user", "content": " the" * prompt}], "max_tokens": tokens, "stream": True}
+            client.post("/chat/completions", json=body, headers=headers)
+        client.post("/responses", json={"model": "sim-7b", "input": "hi", "max_output_tokens": 12, "stream": True})
+    records = proxy.wait_records(6)
+    assert len(records) == 6
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1300, "height": 700})
+            page.goto(f"{proxy.url}/ui")
+            page.wait_for_selector("body[data-loaded=true]")
+            px_per_s = float(page.get_attribute("#rows", "data-px-per-s") or 0)
+            rows = page.query_selector_all(".row")
+            assert len(rows) == len(records) and px_per_s > 0
+            worst = 0.0
+            for row, record in zip(rows, reversed(records)):  # newest first
+                segments = row.query_selector_all(".seg")
+                drawn = {s.get_attribute("data-phase") for s in segments}
+                assert drawn == {p for p, v in record["phases_s"].items() if v > 0}, record["phases_s"]
+                for segment in segments:
+                    box = segment.bounding_box()
+                    assert box is not None
+                    error = abs(box["width"] - record["phases_s"][segment.get_attribute("data-phase")] * px_per_s)
+                    worst = max(worst, error)
+            assert worst <= 1.0, f"a segment is {worst:.2f} px off its record"
+            streamed = next(i for i, r in enumerate(reversed(records)) if r["endpoint"] == "chat" and r["content_chunks"] == 40)
+            rows[streamed].click()
+            page.wait_for_selector("#detail .tick")
+            assert len(page.query_selector_all("#detail .tick")) == 40
+            ARTIFACT.parent.mkdir(exist_ok=True)
+            page.screenshot(path=str(ARTIFACT), full_page=True)
+        finally:
+            browser.close()
+    print(f"\n{len(rows)} bars, worst segment {worst:.3f} px off its record; screenshot {ARTIFACT}")

@@ -1,0 +1,126 @@
+"""deploy/: Kubernetes manifests validated offline against the Kubernetes schemas, the Prometheus
+Operator resources checked field by field (and generated from the one rules file and dashboard),
+the collector configuration checked structurally."""
+from __future__ import annotations
+
+import copy
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from servers import ROOT
+
+sys.path.insert(0, str(ROOT / "dashboards"))
+import generate  # noqa: E402
+
+from proxy.cli import parser  # noqa: E402
+
+K8S = ROOT / "deploy" / "kubernetes"
+CORE = ("deployment", "service", "hpa", "pdb", "routes-configmap", "grafana-dashboard-configmap")
+
+
+def load(name: str) -> dict:
+    return yaml.safe_load((K8S / f"{name}.yaml").read_text())
+
+
+@pytest.mark.parametrize("name", CORE)
+def test_core_manifests_validate_strictly_against_the_kubernetes_schemas(name):
+    kubernetes_validate.validate(load(name), "1.37.0", strict=True)
+
+
+def test_the_validation_can_fail():
+    broken = copy.deepcopy(load("deployment"))
+    broken["spec"]["template"]["spec"]["containers"][0]["readinessProbes"] = {}  # a typo
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, "1.37.0", strict=True)
+
+
+def test_the_kustomization_lists_every_manifest():
+    listed = yaml.safe_load((K8S / "kustomization.yaml").read_text())["resources"]
+    assert sorted(listed) == sorted(p.name for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
+
+
+def test_the_deployment_runs_safely_and_drains_streams():
+    deployment = load("deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert pod["automountServiceAccountToken"] is False and pod["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"]["path"] == "/healthz"
+    args = parser().parse_args(container["args"])  # every flag is one the proxy has
+    grace = args.shutdown_grace
+    pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert pod["terminationGracePeriodSeconds"] >= pre_stop + grace  # a rollout drops no stream
+    assert args.admin_port and {p["name"]: p["containerPort"] for p in container["ports"]}["admin"] == args.admin_port
+    assert container["resources"]["requests"]["cpu"] and "cpu" not in container["resources"]["limits"]
+    mounts = {m["mountPath"] for m in container["volumeMounts"]}
+    routes_dir = str(Path(args.routes).parent)
+    assert routes_dir in mounts and any(e["name"] == "XDG_DATA_HOME" and e["value"] in mounts for e in container["env"])
+
+
+def test_service_monitor_scrapes_the_admin_port_with_the_admin_key():
+    monitor, service, deployment = load("servicemonitor"), load("service"), load("deployment")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1" and monitor["kind"] == "ServiceMonitor"
+    labels = {}
+    for entry in yaml.safe_load((K8S / "kustomization.yaml").read_text())["labels"]:
+        labels.update(entry["pairs"])  # what kustomize puts on every resource, the Service included
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert set(endpoint) <= {"port", "path", "interval", "authorization", "scheme", "scrapeTimeout", "relabelings"}
+    assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]} and endpoint["path"] == "/metrics"
+    credentials = endpoint["authorization"]["credentials"]
+    env = {e["name"]: e for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["LLMPROXY_ADMIN_KEY"]["valueFrom"]["secretKeyRef"] == {"name": credentials["name"], "key": credentials["key"]}
+
+
+def test_prometheus_rule_is_generated_from_the_rules_file_and_passes_promtool(tmp_path):
+    text = (K8S / "prometheusrule.yaml").read_text()
+    assert text == generate.prometheus_rule(), "run: make dashboards"
+    rule = yaml.safe_load(text)
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1" and rule["kind"] == "PrometheusRule" and set(rule["spec"]) == {"groups"}
+    assert rule["spec"]["groups"] == yaml.safe_load((ROOT / "dashboards/prometheus/rules.yml").read_text())["groups"]
+    for group in rule["spec"]["groups"]:
+        assert set(group) <= {"name", "interval", "rules"}
+        for r in group["rules"]:
+            assert set(r) <= {"record", "alert", "expr", "for", "labels", "annotations"}
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool missing: run `make test`"
+    rules = tmp_path / "rules.yml"
+    rules.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+    out = subprocess.run([promtool, "check", "rules", str(rules)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    print("\n" + shlex.join(["promtool", "check", "rules", "(PrometheusRule spec.groups)"]) + ": " + out.stdout.strip().splitlines()[-1])
+
+
+def test_the_dashboard_configmap_is_the_generated_dashboard():
+    text = (K8S / "grafana-dashboard-configmap.yaml").read_text()
+    assert text == generate.dashboard_configmap(generate.render()), "run: make dashboards"
+    configmap = yaml.safe_load(text)
+    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert configmap["data"]["llm-latency-breakdown.json"] == (ROOT / "dashboards/grafana/llm-latency-breakdown.json").read_text()
+
+
+def test_the_collector_tail_samples_the_slow_and_the_failed():
+    config = yaml.safe_load((ROOT / "deploy" / "otel-collector.yaml").read_text())
+    assert set(config["receivers"]["otlp"]["protocols"]) >= {"http"}
+    pipelines = config["service"]["pipelines"]
+    assert set(pipelines) == {"traces"}  # metrics never go through it
+    traces = pipelines["traces"]
+    assert traces["receivers"] == ["otlp"] and "tail_sampling" in traces["processors"]
+    assert traces["processors"][0] == "memory_limiter" and traces["processors"][-1] == "batch"
+    for name in traces["processors"] + traces["exporters"]:
+        assert name in config["processors"] or name in config["exporters"]
+    policies = {p["type"]: p for p in config["processors"]["tail_sampling"]["policies"]}
+    assert policies["status_code"]["status_code"]["status_codes"] == ["ERROR"]
+    ttft = policies["numeric_attribute"]["numeric_attribute"]
+    tracing_source = (ROOT / "proxy" / "tracing.py").read_text()
+    assert f'"{ttft["key"]}"' in tracing_source  # an attribute the proxy really sets
+    assert policies["latency"]["latency"]["threshold_ms"] > 0 and 0 < policies["probabilistic"]["probabilistic"]["sampling_percentage"] < 100

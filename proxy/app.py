@@ -10,11 +10,13 @@ import asyncio
 import hmac
 import logging
 import os
+import signal
 import sqlite3
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator
 
+import orjson
 from fastapi import FastAPI, Request, Response
 from prometheus_client import CollectorRegistry
 from starlette.types import Receive, Scope, Send
@@ -32,6 +34,7 @@ from .records import RecordStore
 from .telemetry import Telemetry
 from .tokens import Tokenizer
 from .tracing import Tracing, build_tracer_provider
+from .routes import Router
 from .upstream import Upstream
 
 log = logging.getLogger("llmproxy")
@@ -58,41 +61,69 @@ class ProxyApp:
         if tokenizer is None and settings.tokenize:
             tokenizer = Tokenizer(settings.default_encoding)
         self.telemetry = Telemetry(settings, self.metrics, Tracing(tracer_provider, settings), tokenizer, self.offload)
-        self.upstream = Upstream(settings)
+        self.router = Router(settings)  # --routes, or the one --upstream for every model
         self.admission = Admission(settings.max_in_flight)
         self.metrics.child("llmproxy_max_in_flight", settings.upstream_label).set(settings.max_in_flight)
-        self._auth = f"Bearer {settings.upstream_api_key}".encode() if settings.upstream_api_key else None
         self.client_keys = settings.client_keys()
         self.admin = self._admin_app()  # the proxy's own endpoints, on this port or --admin-port
 
-    def upstream_headers(self, headers: list[tuple[bytes, bytes]], length: int) -> list[tuple[bytes, bytes]]:
+    @property
+    def upstream(self) -> Upstream:
+        """The default upstream (the only one without --routes)."""
+        router = self.router
+        return router.upstreams[router.default] if router.default is not None else next(iter(router.upstreams.values()))
+
+    def upstream_headers(self, headers: list[tuple[bytes, bytes]], length: int, upstream: Upstream) -> list[tuple[bytes, bytes]]:
         """Client headers minus hop-by-hop ones, with the upstream's Host and, if set, its key.
 
         With proxy authentication on, the client's Authorization is the proxy's key: never sent on.
         """
-        drop_auth = self._auth is not None or bool(self.client_keys)
+        drop_auth = upstream.auth is not None or bool(self.client_keys)
         out = [(k, v) for k, v in filter_headers(headers) if not (drop_auth and k == b"authorization")]
         if self.telemetry.tracing.enabled:
             out = [(k, v) for k, v in out if k not in (b"traceparent", b"tracestate")]
-        out.append((b"host", self.upstream.host_header.encode()))
+        out.append((b"host", upstream.host_header.encode()))
         out.append((b"content-length", str(length).encode()))
-        if self._auth:
-            out.append((b"authorization", self._auth))
+        if upstream.auth:
+            out.append((b"authorization", upstream.auth))
         return out
+
+    def reload_routes(self) -> None:
+        """SIGHUP: re-read --routes; a broken file is refused and the old routes keep serving."""
+        try:
+            self.router.reload()
+        except ValueError as exc:
+            log.error("routes not reloaded, the old ones keep serving: %s", exc)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            if scope["path"] == "/v1/models" and self.settings.routes and scope["method"] == "GET":
+                await self._models(send)
+                return
             await Exchange(self, scope, receive, send).run()
             return
         if self.settings.admin_port and scope["type"] == "http" and scope["path"] != "/healthz":
             scope = {**scope, "path": "/not-here"}  # the proxy's own endpoints live on the admin port
         await self.admin(scope, receive, send)
 
+    async def _models(self, send: Send) -> None:
+        """GET /v1/models with --routes: the models the routes name (OpenAI's list shape)."""
+        body = orjson.dumps({"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": ",".join(names)}
+                                                        for m, names in sorted(self.router.exact.items())]})
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
     @asynccontextmanager
     async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
         soft = raise_open_files_limit(self.settings)[1]  # in each worker, before its listener exists
         self.metrics.child("llmproxy_max_fds").set(soft)
         watcher = asyncio.create_task(self._count_descriptors())
+        if self.settings.routes:
+            try:  # (only the main thread of a process may; a test serving the app in a thread cannot)
+                asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.reload_routes)
+            except (RuntimeError, ValueError):
+                log.warning("SIGHUP cannot reload routes here (not the main thread)")
         count_pause = self.metrics.accept_paused(self.settings.upstream_label)
         loop = asyncio.get_running_loop()
         if isinstance(loop, ProxyLoop):  # (a test may serve the app on another loop)
@@ -113,7 +144,7 @@ class ProxyApp:
             store = self.telemetry.records_sink.store
             if store is not None:
                 await asyncio.to_thread(store.close)
-            self.upstream.close()
+            self.router.close()
             if self.tracer_provider is not None:
                 self.tracer_provider.shutdown()
             self.offload.shutdown()

@@ -78,6 +78,10 @@ class BadPath(ProxyError):
     status, type, code, outcome = 400, "invalid_request_error", "invalid_path", "proxy_error"
 
 
+class ModelNotRouted(ProxyError):
+    status, type, code, outcome = 404, "invalid_request_error", "model_not_found", "proxy_error"
+
+
 class ProxyOverloaded(ProxyError):
     """The proxy has no room for this request: `reason` is max_in_flight (admission control),
     descriptors, ports or memory (exhausted while accepting or connecting)."""

@@ -18,7 +18,7 @@ from starlette.types import Receive, Scope, Send
 from .chunk import DONE, Chunk, parse_chunk, strip_usage_null, without_engine_fields
 from .config import Settings
 from .engine import from_llamacpp, from_tgi, from_vllm
-from .errors import ProxyError, ProxyOverloaded, TransportError, UpstreamTimeout, map_transport_error
+from .errors import ModelNotRouted, ProxyError, ProxyOverloaded, TransportError, UpstreamTimeout, map_transport_error
 from .request import ClientGone, check_request, filter_headers, header, read_body, usage_injected_body
 from .sse import Event, SSEDecoder
 from .telemetry import RequestContext
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from .admission import Admission
     from .connection import Connection
     from .offload import Offload
+    from .routes import Router
     from .telemetry import Telemetry
     from .upstream import Upstream
 
@@ -42,12 +43,12 @@ class AppView(Protocol):
 
     settings: Settings
     telemetry: Telemetry
-    upstream: Upstream
+    router: Router
     offload: Offload
     client_keys: tuple[str, ...]
     admission: Admission
 
-    def upstream_headers(self, headers: list[tuple[bytes, bytes]], length: int) -> list[tuple[bytes, bytes]]: ...
+    def upstream_headers(self, headers: list[tuple[bytes, bytes]], length: int, upstream: Upstream) -> list[tuple[bytes, bytes]]: ...
 
 
 class Exchange:
@@ -64,6 +65,7 @@ class Exchange:
         self.sending = False  # blocked handing bytes to the client (a slow reader)
         self.done = False  # `data: [DONE]` went by: a client leaving now has had everything
         self.response: Connection | None = None
+        self.upstream: Upstream | None = None  # chosen by model once the body is parsed
         self.json_body: list[bytes] | None = None
         self.body_encoding = b"identity"
         self.injected = False  # we asked for include_usage: drop the usage chunk, strip usage:null
@@ -105,8 +107,10 @@ class Exchange:
             self.relaying = False
             if watcher is not None:
                 watcher.cancel()
-            if self.response is not None:
-                app.upstream.release(self.response)  # mid-body: aborts the connection, so vLLM stops
+            if self.upstream is not None:
+                self.upstream.in_flight -= 1
+                if self.response is not None:
+                    self.upstream.release(self.response)  # mid-body: aborts the connection, so vLLM stops
             if t.response_end_ns is None:
                 t.response_end_ns = now_ns()
             app.telemetry.finish(self.ctx)
@@ -124,20 +128,25 @@ class Exchange:
 
     async def _relay(self, body: bytes) -> None:
         t, app, ctx = self.t, self.app, self.ctx
-        upstream = app.upstream
         endpoint, parsed, ctx.prompt_parts = await app.offload.request(self.scope["path"][3:], body)
         t.endpoint = endpoint  # type: ignore[assignment]
         original = body
         if parsed is not None:
             t.model = str(parsed.get("model") or "unknown")
             t.stream = parsed.get("stream") is True
+        upstream = app.router.pick(t.model)
+        if upstream is None:
+            raise ModelNotRouted(f"the model `{t.model}` is not routed by this proxy (see its routing file)")
+        self.upstream, ctx.upstream, ctx.server = upstream, upstream.label, (upstream.host, upstream.port)
+        upstream.in_flight += 1
+        if parsed is not None:
             ctx.request, ctx.request_size = (None if parsed.get("_partial") else parsed), len(body)
             if (t.stream and app.settings.inject_usage and not upstream.reports_counts and not upstream.rejects_stream_options
                     and endpoint in ("chat", "completions") and not (parsed.get("_partial") and "stream_options" in parsed)):
                 new_body = usage_injected_body(parsed, body)
                 if new_body is not None:
                     body, self.injected = new_body, True
-        headers = app.upstream_headers(self.scope["headers"], len(body))
+        headers = app.upstream_headers(self.scope["headers"], len(body), upstream)
         app.telemetry.start(ctx, self.scope["headers"])
         if ctx.spans is not None:
             headers.append((b"traceparent", ctx.spans.traceparent()))
@@ -154,7 +163,9 @@ class Exchange:
 
     async def _exchange(self, body: bytes, original: bytes, headers: list[tuple[bytes, bytes]]) -> None:
         t, app = self.t, self.app
-        upstream, limit = app.upstream, app.settings.first_token_timeout
+        upstream = self.upstream
+        assert upstream is not None
+        limit = upstream.first_token_timeout
         url = upstream.target(self.scope["path"][3:], self.scope.get("query_string", b""))
         loop = asyncio.get_running_loop()
         try:
@@ -191,7 +202,7 @@ class Exchange:
                                        original: bytes) -> Connection | None:
         """An upstream that rejects stream_options (older Azure api-versions) gets the client's own
         request again, and is not asked again; any other 400 goes to the client as it came."""
-        app, t = self.app, self.t
+        t = self.t
         raw = b""
         async for part in response.iter_body():
             raw += part
@@ -205,14 +216,16 @@ class Exchange:
             t.status_code, t.outcome = response.status, "upstream_error"
             t.upstream_end_ns = t.response_end_ns = now_ns()
             return None
-        log.warning("the upstream %s rejects stream_options: requests go unchanged from now on", app.upstream.label)
-        app.upstream.rejects_stream_options = True
+        upstream = self.upstream
+        assert upstream is not None
+        log.warning("the upstream %s rejects stream_options: requests go unchanged from now on", upstream.label)
+        upstream.rejects_stream_options = True
         self.response = None
-        app.upstream.release(response)
+        upstream.release(response)
         self.injected = False
         t.reset_upstream()
         headers = [(k, str(len(original)).encode() if k == b"content-length" else v) for k, v in headers]
-        response = self.response = await app.upstream.send(self.scope["method"], url, headers, original, t)
+        response = self.response = await upstream.send(self.scope["method"], url, headers, original, t)
         return response
 
     async def _respond(self, response: Connection, silence: asyncio.Timeout) -> None:
@@ -251,7 +264,8 @@ class Exchange:
     async def _stream(self, response: Connection, decoder: SSEDecoder | None, silence: asyncio.Timeout | None) -> None:
         """The hot loop: timestamp, forward, then note what the bytes meant."""
         t, send, rewrite, json_body = self.t, self.send, self.rewrite, self.json_body
-        loop, idle = asyncio.get_running_loop(), self.app.settings.read_timeout
+        loop = asyncio.get_running_loop()
+        idle = self.upstream.read_timeout if self.upstream is not None else self.app.settings.read_timeout
         kept, decoding, read = 0, bool(t.content_ns), response.read
         while chunk := await read():
             now = now_ns()

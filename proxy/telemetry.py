@@ -43,6 +43,8 @@ class RequestContext:
     prompt_parts: PromptParts | None = None  # the prompt as texts to count (a big body, read in the worker)
     usage: dict[str, Any] | None = None  # the stream's usage object
     body: BodyInfo | None = None  # what a non-streaming JSON response said
+    upstream: str = ""  # the `upstream` label of the upstream the router chose ("": none was)
+    server: tuple[str, int] | None = None  # its host and port (server.address on spans)
     finished: bool = False
 
     @property
@@ -124,7 +126,7 @@ class MetricsSink:
         self.metrics, self.upstream = metrics, upstream
 
     def export(self, ctx: RequestContext, b: Breakdown | None) -> None:
-        self.metrics.observe(ctx.timing, b, self.upstream, ctx.trace_id)
+        self.metrics.observe(ctx.timing, b, ctx.upstream or self.upstream, ctx.trace_id)
 
 
 class SpansSink:
@@ -135,7 +137,7 @@ class SpansSink:
 
     def export(self, ctx: RequestContext, b: Breakdown | None) -> None:
         if ctx.spans is not None:  # (finish sends the SERVER and CLIENT spans whatever fails)
-            self.tracing.finish(ctx.spans, ctx.timing, b, ctx.wall_offset_ns)
+            self.tracing.finish(ctx.spans, ctx.timing, b, ctx.wall_offset_ns, ctx.server)
 
 
 class RecordsSink:
@@ -153,10 +155,10 @@ class RecordsSink:
         if b is None:
             return
         record = record_dict(ctx, b)
-        record["upstream"] = self.upstream
+        record["upstream"] = ctx.upstream or self.upstream
         self.records.append(record)
         if self.store is not None:
-            self.store.add(record, ctx.timing.model, self.upstream)
+            self.store.add(record, ctx.timing.model, record["upstream"])
         if self.log_requests:
             request_log.info(orjson.dumps(record).decode())
 
@@ -171,7 +173,6 @@ class Telemetry:
         self.upstream = settings.upstream_label
         self.records_sink = RecordsSink(settings.records, settings.log_requests, self.upstream)
         self.sinks: tuple[Sink, ...] = (MetricsSink(metrics, self.upstream), SpansSink(tracing), self.records_sink)
-        self.in_flight = metrics.in_flight(self.upstream)
         self._logged: set[str] = set()
         self._backlog: collections.deque[RequestContext] = collections.deque()
         self._finisher: asyncio.Task[None] | None = None
@@ -200,7 +201,7 @@ class Telemetry:
         """As the request goes upstream: the in-flight gauge and the two spans whose ids must exist early."""
         t = ctx.timing
         with self._guard("metrics"):
-            self.in_flight.inc()
+            self.metrics.in_flight(ctx.upstream or self.upstream).inc()
             t.in_flight = True
         if self.tracing.enabled:
             with self._guard("tracing"):
@@ -226,7 +227,7 @@ class Telemetry:
         if t.in_flight:
             t.in_flight = False
             with self._guard("metrics"):
-                self.in_flight.dec()
+                self.metrics.in_flight(ctx.upstream or self.upstream).dec()
         self._backlog.append(ctx)
         if self._finisher is None or self._finisher.done():
             self._finisher = asyncio.get_running_loop().create_task(self._drain_backlog())

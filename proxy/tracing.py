@@ -151,12 +151,14 @@ class Tracing:
             self.started += 1
         return spans
 
-    def finish(self, spans: RequestSpans, t: RequestTiming, b: Breakdown | None, offset_ns: int) -> None:
+    def finish(self, spans: RequestSpans, t: RequestTiming, b: Breakdown | None, offset_ns: int,
+               server: tuple[str, int] | None = None) -> None:
         """Every span of the request, from the record; the SERVER and CLIENT spans go out even when
         building the rest failed."""
         if not spans.sampled or spans.exported:
             return
         spans.exported = True
+        host, port = server or (self.host, self.port)  # the upstream the router chose
         wall = lambda ns: ns + offset_ns  # noqa: E731 - monotonic instant to epoch ns
         end_ns = t.response_end_ns or t.received_ns
         out: list[ReadableSpan] = []
@@ -167,10 +169,10 @@ class Tracing:
                 status = Status(StatusCode.ERROR, t.outcome)
                 server_attrs["error.type"] = t.error or t.outcome
             if b is not None:
-                server_attrs.update(self._attributes(t, b))
+                server_attrs.update(self._attributes(t, b, host, port))
                 self._children(out, spans, t, b, wall)
         finally:
-            upstream_attrs = {"server.address": self.host, "server.port": self.port, "http.response.status_code": t.status_code}
+            upstream_attrs = {"server.address": host, "server.port": port, "http.response.status_code": t.status_code}
             out.append(self._span(spans, "upstream.request", spans.upstream_id, spans.server_id, wall(t.received_ns),
                                   wall(t.upstream_end_ns or end_ns), upstream_attrs, kind=SpanKind.CLIENT))
             out.append(self._span(spans, f"{OPERATIONS[t.endpoint]} {t.model}", spans.server_id, None, wall(t.received_ns),
@@ -261,15 +263,15 @@ class Tracing:
             previous[choice] = instant
         return events
 
-    def _attributes(self, t: RequestTiming, b: Breakdown) -> dict[str, Any]:
+    def _attributes(self, t: RequestTiming, b: Breakdown, host: str, port: int) -> dict[str, Any]:
         attrs: dict[str, Any] = {
             "gen_ai.operation.name": OPERATIONS[t.endpoint],
             "openai.api.type": API_TYPES.get(t.endpoint),
             "gen_ai.provider.name": self.settings.provider,
             "gen_ai.request.model": t.model,
             "gen_ai.request.stream": t.stream,
-            "server.address": self.host,
-            "server.port": self.port,
+            "server.address": host,
+            "server.port": port,
             "http.response.status_code": t.status_code,
             "llmproxy.outcome": t.outcome,
             "llmproxy.duration_seconds": b.e2e_s,

@@ -60,6 +60,10 @@ class Upstream:
     """The pool to one upstream base URL, with the settings' timeouts."""
 
     def __init__(self, settings: Settings) -> None:
+        self.settings = settings  # this upstream's own (--upstream, or its entry in the routing file)
+        self.in_flight = 0  # requests on this upstream now (the router picks the least busy)
+        self.auth = f"Bearer {settings.upstream_api_key}".encode() if settings.upstream_api_key else None
+        self.first_token_timeout, self.read_timeout = settings.first_token_timeout, settings.read_timeout
         scheme, host, port, base_path = settings.upstream_parts
         self.scheme, self.host, self.port, self.base_path = scheme, host, port, base_path
         self.host_header = host if port in (80, 443) else f"{host}:{port}"

@@ -24,13 +24,13 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 class Prometheus:
-    def __init__(self, workdir: Path, target: str, rule_file: Path) -> None:
+    def __init__(self, workdir: Path, targets: list[str], rule_file: Path) -> None:
         exe = shutil.which("prometheus")
         assert exe, "prometheus missing: run `make test` (it installs Debian's prometheus package)"
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"}, "rule_files": [str(rule_file)],
-                  "scrape_configs": [{"job_name": "llm-latency-proxy", "static_configs": [{"targets": [target]}]}]}
+                  "scrape_configs": [{"job_name": "llm-latency-proxy", "static_configs": [{"targets": targets}]}]}
         (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
         self.process = subprocess.Popen(
             [exe, f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'data'}",
@@ -45,8 +45,8 @@ class Prometheus:
                 pass
             assert time.monotonic() < deadline and self.process.poll() is None, "prometheus did not start"
             time.sleep(0.2)
-        # Service discovery hands targets to the scraper only after a few seconds: wait for a scrape.
-        while not self.query("up")["result"]:
+        # Service discovery hands targets to the scraper only after a few seconds: wait for a scrape of each.
+        while len(self.query("up == 1")["result"]) < len(targets):
             assert time.monotonic() < deadline, "prometheus never scraped the proxy"
             time.sleep(0.2)
 
@@ -82,17 +82,19 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     test_rules = workdir / "rules.yml"
     test_rules.write_text(short_windows(RULES.read_text()))
     sim = Simulator("--jitter", "0.05")
-    port = free_port()
+    # Two proxy replicas, both scraped, as a fleet runs them: every panel must sum over instances.
     # `localhost` (not an IP) so the DNS step is measured too.
     # --max-in-flight well above the test load: the saturation panel has a cap to divide by.
-    proxy = Process(["serve", "--upstream", f"http://localhost:{sim.port}/v1", "--port", str(port), "--max-in-flight", "64"],
-                    f"http://127.0.0.1:{port}/healthz")
-    prom = Prometheus(workdir, f"127.0.0.1:{port}", test_rules)
+    ports = [free_port(), free_port()]
+    proxies = [Process(["serve", "--upstream", f"http://localhost:{sim.port}/v1", "--port", str(port), "--max-in-flight", "64"],
+                       f"http://127.0.0.1:{port}/healthz") for port in ports]
+    prom = Prometheus(workdir, [f"127.0.0.1:{port}" for port in ports], test_rules)
     try:
-        yield {"sim": sim, "proxy": f"http://127.0.0.1:{port}", "prom": prom}
+        yield {"sim": sim, "proxy": f"http://127.0.0.1:{ports[0]}", "proxies": [f"http://127.0.0.1:{p}" for p in ports], "prom": prom}
     finally:
         prom.stop()
-        proxy.stop()
+        for each in proxies:
+            each.stop()
         sim.proc.stop()
 
 
@@ -107,7 +109,8 @@ def test_every_panel_query_and_rule_returns_data(stack):
     # seen the first, so the connect-time counters increase inside the query window.
     first = drive(stack["proxy"], 3.0, concurrency=2, mix=mix)
     second = drive(stack["proxy"], 6.0, concurrency=8, mix=mix)
-    assert first.sent + second.sent > 20 and first.failures == second.failures == 0
+    other = drive(stack["proxies"][1], 3.0, concurrency=4, mix=mix)  # the second replica
+    assert first.sent + second.sent > 20 and other.sent > 5 and first.failures == second.failures == other.failures == 0
     time.sleep(3)  # two more scrapes, and the recording rules evaluated on them
     empty = []
     queries = list(panel_targets())
@@ -116,6 +119,14 @@ def test_every_panel_query_and_rule_returns_data(stack):
         if not has_data(data):
             empty.append(f"{panel['title']} / {target['refId']}")
     assert not empty, f"panel queries without data: {empty}"
+    # Across replicas: a panel's series aggregate over instances (sum by, not one line per pod),
+    # except the panels that are per instance on purpose (they say `by (instance)`).
+    per_instance = [f"{panel['title']} / {target['refId']}" for panel, target in queries if "by (instance)" not in target["expr"]
+                    and any("instance" in r["metric"] for r in prom.query(substitute(target["expr"]))["result"])]
+    assert not per_instance, f"panel queries split by instance: {per_instance}"
+    direct = sum(float(v) for url in stack["proxies"]
+                 for v in re.findall(r"^llmproxy_requests_total\{[^}]*\} (\S+)$", httpx.get(f"{url}/metrics").text, re.M))
+    assert float(prom.query("sum(llmproxy_requests_total)")["result"][0]["value"][1]) == direct  # the sum over both replicas
     # The endpoint variable set to the Responses API alone: every panel that filters by endpoint
     # has data for that traffic too (the load mix sends 15% of its requests there).
     filtered = [(panel, target) for panel, target in queries if "$endpoint" in target["expr"]]

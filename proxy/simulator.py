@@ -5,7 +5,8 @@ the decode rate, token k at TTFT + k / decode_tps after the request arrived (anc
 jitter never accumulates). A role-only chunk goes out at once, as OpenAI sends it, so a proxy that
 counted it as the first token would be caught. Per-request overrides come as `x-sim-*` headers;
 `POST /sim/config` changes defaults at run time; `GET /sim/stats` says what the simulator saw
-(requests, completed streams, client disconnects), so tests can observe a close from the far side.
+(requests, completed streams, client disconnects, when each content chunk of the last stream was
+sent), so tests can observe a close from the far side and time stamps against what was sent.
 
 Production shapes, per request (STREAMS.md lists what real servers send):
 `x-sim-hidden-reasoning: N` (N reasoning tokens generated before the first visible one, never
@@ -64,10 +65,11 @@ class SimStats:
         self.tokens_sent = 0
         self.last_headers: dict[str, str] = {}
         self.last_body: dict[str, Any] = {}
+        self.last_send_times: list[float] = []  # monotonic instants each content chunk of the last stream was handed over
 
     def as_dict(self) -> dict[str, Any]:
         return {"requests": self.requests, "completed": self.completed, "disconnects": self.disconnects, "tokens_sent": self.tokens_sent,
-                "last_headers": self.last_headers, "last_body": self.last_body}
+                "last_headers": self.last_headers, "last_body": self.last_body, "last_send_times": self.last_send_times}
 
 
 def _json_response(status: int, obj: Any, extra: list[tuple[bytes, bytes]] | None = None) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
@@ -209,7 +211,9 @@ class Simulator:
         watcher = asyncio.create_task(self._watch(receive, task, gone))  # sees the client leave, any time
         try:
             if kind == "responses" and stream:
-                self.stats.tokens_sent += await responses.stream(send, plan, received, ident, created, model, headers)
+                self.stats.last_send_times = []
+                self.stats.tokens_sent += await responses.stream(send, plan, received, ident, created, model, headers,
+                                                                 self.stats.last_send_times)
                 self.stats.completed += 1
             elif stream:
                 await self._stream(send, kind, ident, created, model, plan, received, request, headers)
@@ -319,6 +323,7 @@ class Simulator:
         keepalive = float(headers.get("x-sim-keepalive-ms", "0")) / 1000
         padding = " " * int(headers.get("x-sim-token-bytes", "0"))
         sent = 0
+        times = self.stats.last_send_times = []
         for at, index, field, words in plan.chunks:
             if 0 <= drop_after <= sent:
                 return  # leave the response incomplete: uvicorn closes the connection mid-stream
@@ -330,6 +335,7 @@ class Simulator:
             await asyncio.sleep(max(0.0, received + at - time.monotonic()))
             await send({"type": "http.response.body", "body": event([choice(index, "".join(words) + padding, None, field=field)]), "more_body": True})
             self.stats.tokens_sent += len(words)
+            times.append(time.monotonic())
             if malformed and sent == 0:
                 await send({"type": "http.response.body", "body": b'data: {"choices": [{"delta": {"content": "unterminated\n\n', "more_body": True})
             sent += 1

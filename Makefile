@@ -66,6 +66,7 @@ bench: $(STAMP) $(LITELLM_VENV)/.installed
 	$(PY) bench/overhead.py --pairs 300
 	$(PY) bench/overload.py --cap 128 --burst 512 --rounds 4 --out bench/overload.json
 	$(PY) bench/records_cost.py
+	$(PY) bench/workers.py
 	$(if $(BEFORE),$(PY) bench/accept.py --before $(BEFORE))
 
 soak: $(STAMP)

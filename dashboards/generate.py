@@ -156,7 +156,7 @@ def build() -> dict:
     d = d.with_panel(ts("Shed load: 503 proxy_overloaded, by reason", "reqps", [
         q(f"sum by (reason) (rate(llmproxy_requests_rejected_total{{{UP}}}[{RI}]))", "rejected: {{reason}}", "A"),
         q(f"sum by (reason) (rate(llmproxy_accept_pauses_total[{RI}]))", "accept paused: {{reason}}", "B"),
-        q(f"sum(llmproxy_requests_in_flight{{{UP}}}) / sum(llmproxy_max_in_flight{{{UP}}} > 0)", "in flight / --max-in-flight", "C")], 0, 62,
+        q("sum(llmproxy_requests_in_flight) / sum(llmproxy_max_in_flight > 0)", "in flight / --max-in-flight (all replicas)", "C")], 0, 62,
         description="Requests the proxy refused itself (never the upstream's fault): max_in_flight is admission control "
                     "(--max-in-flight), descriptors/ports/memory are exhaustion while accepting or connecting. Accept pauses: "
                     "the listener waited 50 ms for a free descriptor while clients queued in the listen backlog."))

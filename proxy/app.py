@@ -30,7 +30,6 @@ from .metrics import ProxyMetrics, multiprocess_enabled
 from .relay import Exchange
 from .request import filter_headers
 from .offload import Offload
-from .records import RecordStore
 from .telemetry import Telemetry
 from .tokens import Tokenizer
 from .tracing import Tracing, build_tracer_provider
@@ -130,7 +129,7 @@ class ProxyApp:
             loop.on_pause = count_pause
         records_path = self.settings.records_path
         if records_path:  # the writer thread, in each worker (all write to one file, WAL mode)
-            self.telemetry.records_sink.store = RecordStore(records_path, self.settings.records_max_rows,
+            self.telemetry.records_sink.store = records.RecordStore(records_path, self.settings.records_max_rows,
                                                             self.settings.records_max_age, lambda: self.telemetry.count_error("records"))
         tokenizer = self.telemetry.tokenizer
         if tokenizer is not None:  # load the BPE tables before the first request needs them

@@ -162,7 +162,7 @@ class Exchange:
             upstream.reports_counts = True
 
     async def _exchange(self, body: bytes, original: bytes, headers: list[tuple[bytes, bytes]]) -> None:
-        t, app = self.t, self.app
+        t = self.t
         upstream = self.upstream
         assert upstream is not None
         limit = upstream.first_token_timeout
@@ -183,7 +183,7 @@ class Exchange:
         except TimeoutError:
             if self.sending:
                 t.outcome, t.error = "client_slow", "client_slow"
-                log.warning("cut a client that stopped reading for over %s s", app.settings.read_timeout)
+                log.warning("cut a client that stopped reading for over %s s", upstream.read_timeout)
                 return
             await self._broken(UpstreamTimeout("the upstream sent no first token in time" if not t.content_ns else "the upstream went silent mid-stream"))
         except TransportError as exc:
@@ -264,8 +264,9 @@ class Exchange:
     async def _stream(self, response: Connection, decoder: SSEDecoder | None, silence: asyncio.Timeout | None) -> None:
         """The hot loop: timestamp, forward, then note what the bytes meant."""
         t, send, rewrite, json_body = self.t, self.send, self.rewrite, self.json_body
-        loop = asyncio.get_running_loop()
-        idle = self.upstream.read_timeout if self.upstream is not None else self.app.settings.read_timeout
+        upstream = self.upstream
+        assert upstream is not None  # (a response is only streamed from the upstream the router chose)
+        loop, idle = asyncio.get_running_loop(), upstream.read_timeout
         kept, decoding, read = 0, bool(t.content_ns), response.read
         while chunk := await read():
             now = now_ns()

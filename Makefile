@@ -18,10 +18,10 @@ demo: $(STAMP)
 	$(PY) -m proxy demo
 
 prometheus:
-	scripts/ensure-prometheus.sh
+	scripts/ensure-debian-package.sh prometheus prometheus promtool
 
 chromium:
-	scripts/ensure-chromium.sh
+	scripts/ensure-debian-package.sh chromium chromium
 
 test: $(STAMP) prometheus chromium
 	$(PY) -m mypy

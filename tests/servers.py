@@ -1,13 +1,16 @@
 """Real parts for end-to-end tests: a simulator process, the proxy under uvicorn on a real socket."""
 from __future__ import annotations
 
+import gc
 import os
+import resource
 import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import httpx
 import uvicorn
@@ -26,12 +29,22 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 class Process:
-    """`python -m proxy ARGS` as a child process, waited on until healthy."""
+    """`python -m proxy ARGS` as a child process, waited on until healthy; optionally under its own
+    RLIMIT_NOFILE (set in the child only) and with its output kept in `log`."""
 
-    def __init__(self, args: list[str], health: str, env: dict[str, str] | None = None, verify: str | bool = True) -> None:
-        self.log = open(os.devnull, "wb") if not os.environ.get("LLMPROXY_TEST_LOGS") else None
+    def __init__(self, args: list[str], health: str, env: dict[str, str] | None = None, verify: str | bool = True,
+                 nofile: tuple[int, int] | None = None, log: Path | None = None) -> None:
+        if log is not None:
+            self.log = open(log, "wb")
+        else:
+            self.log = open(os.devnull, "wb") if not os.environ.get("LLMPROXY_TEST_LOGS") else None
+
+        def limit() -> None:  # in the child, before it runs anything
+            if nofile is not None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, nofile)
+
         self.process = subprocess.Popen([sys.executable, "-m", "proxy", *args], cwd=ROOT, env={**os.environ, **(env or {})},
-                                        stdout=self.log, stderr=subprocess.STDOUT if self.log else None)
+                                        stdout=self.log, stderr=subprocess.STDOUT if self.log else None, preexec_fn=limit)
         wait_healthy(health, self.process, verify=verify)
 
     def stop(self) -> None:
@@ -42,6 +55,40 @@ class Process:
             self.process.kill()
         if self.log:
             self.log.close()
+
+
+def scraped(url: str, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` on `url`/metrics whose labels include `labels`."""
+    total = 0.0
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if (line.startswith(name + "{") or line.startswith(name + " ")) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@contextmanager
+def descriptors_exhausted(spare: int = 0) -> Iterator[None]:
+    """No descriptor free in this process (`spare` left free) until the block ends: the soft
+    RLIMIT_NOFILE lowered to the highest open descriptor, every free one below it taken, so the
+    kernel's next socket() or accept() is EMFILE."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    gc.collect()  # (sockets earlier tests left to the collector close now, not mid-test)
+    highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 1, hard))
+    fillers: list[int] = []
+    try:
+        while True:
+            try:
+                fillers.append(os.dup(0))
+            except OSError:
+                break
+        for _ in range(spare):
+            os.close(fillers.pop())
+        yield
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 class Simulator:

@@ -4,37 +4,10 @@ would in a burst above the limit."""
 from __future__ import annotations
 
 import asyncio
-import gc
-import os
-import resource
 import socket
-from contextlib import contextmanager
-from typing import Iterator
 
+from servers import descriptors_exhausted
 from proxy.acceptor import Acceptor, ProxyLoop, new_event_loop
-
-
-@contextmanager
-def descriptors_exhausted(spare: int = 0) -> Iterator[None]:
-    """No descriptor free in this process (`spare` left free) until the block ends."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    gc.collect()
-    highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 1, hard))
-    fillers: list[int] = []
-    try:
-        while True:
-            try:
-                fillers.append(os.dup(0))
-            except OSError:
-                break
-        for _ in range(spare):
-            os.close(fillers.pop())
-        yield
-    finally:
-        for fd in fillers:
-            os.close(fd)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 class Hello(asyncio.Protocol):

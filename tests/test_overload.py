@@ -3,10 +3,6 @@ exhaustion is the proxy's (503 proxy_overloaded, never 502), the open files limi
 --max-in-flight sheds the excess at once."""
 from __future__ import annotations
 
-import gc
-import os
-import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -16,8 +12,8 @@ import httpx
 import openai
 import pytest
 
-from servers import ROOT, Simulator
-from proxy.demo import free_port, wait_healthy
+from servers import ROOT, Process, Simulator, descriptors_exhausted, scraped
+from proxy.demo import free_port
 
 sys.path.insert(0, str(ROOT / "bench"))
 from burst import Peak, descriptors, run_burst, settle  # noqa: E402
@@ -25,42 +21,21 @@ from burst import Peak, descriptors, run_burst, settle  # noqa: E402
 pytestmark = [pytest.mark.e2e]
 
 
-class Proxy:
-    """`python -m proxy serve` as a child, optionally under its own RLIMIT_NOFILE; its log kept."""
+class Proxy(Process):
+    """`python -m proxy serve` in front of `upstream`, on a port of its own."""
 
     def __init__(self, upstream: str, *args: str, nofile: tuple[int, int] | None = None, log: Path | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-
-        def limit() -> None:  # in the child only
-            if nofile is not None:
-                resource.setrlimit(resource.RLIMIT_NOFILE, nofile)
-
-        out = open(log, "wb") if log else subprocess.DEVNULL
-        self.process = subprocess.Popen([sys.executable, "-m", "proxy", "serve", "--upstream", upstream, "--port", str(self.port), *args],
-                                        cwd=ROOT, preexec_fn=limit, stdout=out, stderr=subprocess.STDOUT)
-        wait_healthy(f"{self.url}/healthz", self.process)
+        super().__init__(["serve", "--upstream", upstream, "--port", str(self.port), *args], f"{self.url}/healthz",
+                         nofile=nofile, log=log)
 
     @property
     def pid(self) -> int:
         return self.process.pid
 
     def metric(self, name: str, **labels: str) -> float:
-        """Sum of the samples of `name` whose labels include `labels`."""
-        total = 0.0
-        for line in httpx.get(f"{self.url}/metrics").text.splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                if all(f'{k}="{v}"' in line for k, v in labels.items()):
-                    total += float(line.rsplit(" ", 1)[1])
-        return total
-
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
+        return scraped(self.url, name, **labels)
 
 
 @pytest.fixture
@@ -166,22 +141,8 @@ def test_running_out_of_descriptors_while_connecting_is_503(proxy_factory):
     with httpx.Client(base_url=proxy.v1, timeout=10) as client:
         body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
         assert client.post("/chat/completions", json=body).status_code == 200
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        gc.collect()  # (sockets earlier tests left to the collector close now, not mid-test)
-        highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
-        resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 1, hard))
-        fillers = []  # every free descriptor below the limit, taken: the next socket() is EMFILE
-        try:
-            while True:
-                try:
-                    fillers.append(os.dup(0))
-                except OSError:
-                    break
+        with descriptors_exhausted():  # the proxy's next socket() is EMFILE
             refused = client.post("/chat/completions", json=body)
-        finally:
-            for fd in fillers:
-                os.close(fd)
-            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         assert refused.status_code == 503, refused.text
         error = refused.json()["error"]
         assert error["code"] == "proxy_overloaded" and "file descriptor" in error["message"]

@@ -7,14 +7,13 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
 import pytest
 import yaml
 
-from servers import Process, Simulator
+from servers import Process, Simulator, scraped
 from proxy.demo import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -52,14 +51,6 @@ def requests_seen(sim: Simulator) -> int:
     return sim.stats()["requests"]
 
 
-def metric(url: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 def test_each_model_reaches_its_upstream_with_its_label(fleet):
     a, b, url = fleet["a"], fleet["b"], fleet["url"]
     before = requests_seen(a), requests_seen(b)
@@ -67,8 +58,8 @@ def test_each_model_reaches_its_upstream_with_its_label(fleet):
     assert chat(url, "beta-7b").status_code == 200  # a glob
     assert (requests_seen(a) - before[0], requests_seen(b) - before[1]) == (1, 1)
     time.sleep(0.3)  # the finisher
-    assert metric(url, "llmproxy_requests_total", model="alpha", upstream="a", outcome="ok") >= 1
-    assert metric(url, "llmproxy_requests_total", model="beta-7b", upstream="b", outcome="ok") >= 1
+    assert scraped(url, "llmproxy_requests_total", model="alpha", upstream="a", outcome="ok") >= 1
+    assert scraped(url, "llmproxy_requests_total", model="beta-7b", upstream="b", outcome="ok") >= 1
     models = httpx.get(f"{url}/v1/models").json()
     assert [m["id"] for m in models["data"]] == ["alpha", "shared"]  # exact names; globs are not models
 

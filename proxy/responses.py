@@ -110,7 +110,7 @@ class Items:
 
 
 async def stream(send: Callable[[dict[str, Any]], Any], plan: Any, received: float, ident: str, created: int, model: str,
-                 headers: dict[str, str], times: list[float] | None = None) -> int:
+                 headers: dict[str, str], times: list[tuple[float, float]] | None = None) -> int:
     """Send the whole event stream on the plan's schedule; returns the tokens sent."""
     items = Items(ident, headers.get("x-sim-delta-field") == "function_call", headers.get("x-sim-reasoning-field") == "summary")
     await send({"type": "http.response.start", "status": 200,
@@ -121,10 +121,11 @@ async def stream(send: Callable[[dict[str, Any]], Any], plan: Any, received: flo
     sent = 0
     for at, _, field, words in plan.chunks:
         await asyncio.sleep(max(0.0, received + at - time.monotonic()))
+        before = time.monotonic()
         await send({"type": "http.response.body", "body": items.delta(field, "".join(words)), "more_body": True})
         sent += len(words)
         if times is not None:
-            times.append(time.monotonic())
+            times.append((before, time.monotonic()))
     tail = items.close()
     if headers.get("x-sim-response-failed") == "1":  # the generation failed after its last delta
         failed = {**response(ident, created, model, "failed", items.done, None), "error": {"code": "server_error", "message": "simulated failure"}}

@@ -65,7 +65,9 @@ class SimStats:
         self.tokens_sent = 0
         self.last_headers: dict[str, str] = {}
         self.last_body: dict[str, Any] = {}
-        self.last_send_times: list[float] = []  # monotonic instants each content chunk of the last stream was handed over
+        # For each content chunk of the last stream: monotonic instants just before and just after it
+        # was handed to the server (it went out in between).
+        self.last_send_times: list[tuple[float, float]] = []
 
     def as_dict(self) -> dict[str, Any]:
         return {"requests": self.requests, "completed": self.completed, "disconnects": self.disconnects, "tokens_sent": self.tokens_sent,
@@ -333,9 +335,10 @@ class Simulator:
                 await asyncio.sleep(keepalive)
                 await send({"type": "http.response.body", "body": b": keep-alive\n\n", "more_body": True})
             await asyncio.sleep(max(0.0, received + at - time.monotonic()))
+            before = time.monotonic()
             await send({"type": "http.response.body", "body": event([choice(index, "".join(words) + padding, None, field=field)]), "more_body": True})
             self.stats.tokens_sent += len(words)
-            times.append(time.monotonic())
+            times.append((before, time.monotonic()))
             if malformed and sent == 0:
                 await send({"type": "http.response.body", "body": b'data: {"choices": [{"delta": {"content": "unterminated\n\n', "more_body": True})
             sent += 1

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gzip
+import statistics
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -114,12 +115,20 @@ def test_every_token_is_stamped_by_default_and_read_back_from_otlp(sim):
                      if a.key == "llmproxy.chunk.offsets_us"), key=len)
     assert [len(s) for s in stamps] == [10, 20]  # the Responses API stream, then chat: one stamp per token
     for offsets, truth in zip(stamps, sorted(sent, key=len)):
-        # Each stamp against the instant the upstream sent that chunk (both from the first chunk):
-        # within 1 ms each. The schedule's own grid (a token every 20 ms) holds to within the
-        # simulator's wake-up jitter on a busy 2-core machine: 3 ms.
-        delivered = [round((t - truth[0]) * 1e6) for t in truth]
-        assert all(abs(o - d) <= 1000 for o, d in zip(offsets, delivered)), list(zip(offsets, delivered))
-        assert all(abs(d - k * 20_000) <= 3000 for k, d in enumerate(delivered)), delivered
+        # Each stamp against when the upstream sent that chunk. The simulator knows that instant to
+        # lie between its clock readings just before and just after the write (a busy 2-core machine
+        # may preempt it in between): each stamp must be within 1 ms of that window. The stamps count
+        # from the first chunk's own arrival, whose lateness would shift them all alike, so that one
+        # common shift is fitted (the median) and bounded apart: within 3 ms. The sends themselves
+        # follow the schedule's 20 ms grid within the simulator's wake-up jitter here: 3 ms.
+        first_before, first_after = truth[0]
+        origin = (first_before + first_after) / 2
+        windows = [(round((before - origin) * 1e6), round((after - origin) * 1e6)) for before, after in truth]
+        shift = statistics.median(o - (lo + hi) / 2 for o, (lo, hi) in zip(offsets, windows))
+        assert abs(shift) <= 3000, (shift, list(zip(offsets, windows)))
+        assert all(lo - 1000 <= o - shift <= hi + 1000 for o, (lo, hi) in zip(offsets, windows)), (shift, list(zip(offsets, windows)))
+        grid = [round((before - origin) * 1e6) - k * 20_000 for k, (before, _) in enumerate(truth)]  # the simulator's wake-ups
+        assert all(abs(g - statistics.median(grid)) <= 3000 for g in grid), grid
     ttfts = [a.value.double_value for _, span, _ in receiver.spans() for a in span.attributes if a.key == "gen_ai.response.time_to_first_chunk"]
     assert len(ttfts) == 2 and all(abs(t - 0.050) < 0.010 for t in ttfts), ttfts  # and the first one where the schedule put it
     assert not [s for name, s, _ in receiver.spans() if name == "chunk"]  # no span per chunk by default

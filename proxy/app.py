@@ -1,7 +1,7 @@
 """create_app: the ASGI application, wiring settings to the relay and its telemetry.
 
-`/v1/*` goes straight to the relay (a plain ASGI path, no framework routing on the hot path); the
-proxy's own endpoints (`/metrics`, `/healthz`, `/llmproxy/requests`) are a small FastAPI app.
+Every path goes straight to the relay (a plain ASGI path, no framework routing on the hot path)
+but the proxy's own endpoints (`/metrics`, `/healthz`, `/ui`, `/llmproxy/*`), a small FastAPI app.
 """
 from __future__ import annotations
 
@@ -21,14 +21,14 @@ from fastapi import FastAPI, Request, Response
 from prometheus_client import CollectorRegistry
 from starlette.types import Receive, Scope, Send
 
-from . import records
+from . import apis, records
 from .acceptor import ProxyLoop
 from .admission import Admission, raise_open_files_limit
 from .config import Settings
 from .errors import error_body
 from .metrics import ProxyMetrics, multiprocess_enabled
 from .relay import Exchange
-from .request import filter_headers
+from .request import KEY_HEADERS, filter_headers
 from .offload import Offload
 from .telemetry import Telemetry
 from .tokens import Tokenizer
@@ -38,6 +38,7 @@ from .upstream import Upstream
 
 log = logging.getLogger("llmproxy")
 SETTINGS_ENV = "LLMPROXY_SETTINGS_JSON"
+ADMIN_PATHS = ("/metrics", "/healthz", "/ui")  # and /llmproxy/*: never relayed
 
 
 class ProxyApp:
@@ -72,19 +73,23 @@ class ProxyApp:
         router = self.router
         return router.upstreams[router.default] if router.default is not None else next(iter(router.upstreams.values()))
 
-    def upstream_headers(self, headers: list[tuple[bytes, bytes]], length: int, upstream: Upstream) -> list[tuple[bytes, bytes]]:
-        """Client headers minus hop-by-hop ones, with the upstream's Host and, if set, its key.
-
-        With proxy authentication on, the client's Authorization is the proxy's key: never sent on.
-        """
-        drop_auth = upstream.auth is not None or bool(self.client_keys)
-        out = [(k, v) for k, v in filter_headers(headers) if not (drop_auth and k == b"authorization")]
-        if self.telemetry.tracing.enabled:
-            out = [(k, v) for k, v in out if k not in (b"traceparent", b"tracestate")]
+    def upstream_headers(self, headers: list[tuple[bytes, bytes]], length: int, upstream: Upstream, dialect: apis.Dialect,
+                         identity: bool = False) -> list[tuple[bytes, bytes]]:
+        """Client headers minus hop-by-hop ones, with the upstream's Host and, if set, its key,
+        written where the request's API carries keys (`Authorization: Bearer`, Azure `api-key`,
+        Anthropic `x-api-key`). With proxy authentication on, the client's key headers hold the
+        proxy's key: never sent on. `identity`: the proxy may rewrite this response, so it asks
+        for it uncompressed."""
+        drop_keys = upstream.key is not None or bool(self.client_keys)
+        drop = (KEY_HEADERS if drop_keys else ()) + ((b"traceparent", b"tracestate") if self.telemetry.tracing.enabled else ()) \
+            + ((b"accept-encoding",) if identity else ())
+        out = [(k, v) for k, v in filter_headers(headers) if k.lower() not in drop] if drop else filter_headers(headers)
         out.append((b"host", upstream.host_header.encode()))
         out.append((b"content-length", str(length).encode()))
-        if upstream.auth:
-            out.append((b"authorization", upstream.auth))
+        if identity:
+            out.append((b"accept-encoding", b"identity"))
+        if upstream.key:
+            out.append((dialect.key_headers[0], dialect.key_prefix + upstream.key))
         return out
 
     def reload_routes(self) -> None:
@@ -95,15 +100,21 @@ class ProxyApp:
             log.error("routes not reloaded, the old ones keep serving: %s", exc)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            if scope["path"] == "/v1/models" and self.settings.routes and scope["method"] == "GET":
-                await self._models(send)
+        if scope["type"] == "http":
+            path = scope["path"]
+            if path.startswith("/v1/") or not self._admin_path(path):  # every path is relayed but the proxy's own
+                if path == "/v1/models" and self.settings.routes and scope["method"] == "GET":
+                    await self._models(send)
+                    return
+                await Exchange(self, scope, receive, send).run()
                 return
-            await Exchange(self, scope, receive, send).run()
-            return
-        if self.settings.admin_port and scope["type"] == "http" and scope["path"] != "/healthz":
-            scope = {**scope, "path": "/not-here"}  # the proxy's own endpoints live on the admin port
         await self.admin(scope, receive, send)
+
+    def _admin_path(self, path: str) -> bool:
+        """The proxy's own endpoints; with --admin-port they live there and only /healthz stays here."""
+        if self.settings.admin_port:
+            return path == "/healthz"
+        return path in ADMIN_PATHS or path.startswith("/llmproxy/")
 
     async def _models(self, send: Send) -> None:
         """GET /v1/models with --routes: the models the routes name (OpenAI's list shape)."""

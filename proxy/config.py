@@ -52,6 +52,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("keepalive_expiry", float, 4.0, "seconds an idle upstream connection is kept for reuse, then closed by a sweep; below the 5 s after which uvicorn (vLLM, SGLang), llama.cpp and Node close idle connections, so the proxy never sends on one the server is closing"),
     Option("max_in_flight", int, 0, "admission control, per worker process: requests beyond this many in flight get an immediate 503 `proxy_overloaded` with Retry-After (0: off; size it from the saturation point in bench/RESULTS.md)"),
     Option("max_body_bytes", int, 32 * 1024 * 1024, "largest request body accepted (larger: 413)"),
+    Option("max_event_bytes", int, 16 * 1024 * 1024, "largest streamed event the proxy frames (and largest decoded read); a larger one is relayed as it comes and the request counted as unmeasured (reason event_too_large)"),
     Option("body_timeout", float, 30.0, "seconds a client may take to send its request body (slower: 408)"),
     Option("header_timeout", float, 10.0, "seconds a client may take to send its request headers (slowloris guard)"),
     Option("shutdown_grace", float, 30.0, "on SIGTERM: seconds in-flight requests may take to finish; new connections are refused"),
@@ -126,6 +127,7 @@ class Settings:
     tokenize: bool = True
     default_encoding: str = "o200k_base"
     max_models: int = 100
+    max_event_bytes: int = 16 * 1024 * 1024
     token_spans: str = "offsets"
     otlp_endpoint: str = ""
     service_name: str = ""

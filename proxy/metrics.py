@@ -53,7 +53,8 @@ class MetricDef:
 
 
 METRICS: tuple[MetricDef, ...] = (
-    MetricDef("llmproxy_requests", "counter", "Finished requests by outcome (ok, upstream_error, client_disconnect, client_slow, timeout, proxy_error, overloaded) and HTTP status. The latency metrics below describe the ok ones.", BASE + ("outcome", "code")),
+    MetricDef("llmproxy_requests", "counter", "Finished requests by wire API (openai, azure, anthropic, other), outcome (ok, upstream_error, client_disconnect, client_slow, timeout, proxy_error, overloaded) and HTTP status. The latency metrics below describe the ok ones.", BASE + ("api", "outcome", "code")),
+    MetricDef("llmproxy_unmeasured_requests", "counter", "Requests relayed whole but not (wholly) measured, by reason: event_too_large (a streamed event past --max-event-bytes), undecodable (a content-encoding the proxy could not decode).", ("upstream", "endpoint", "reason")),
     MetricDef("llmproxy_requests_in_flight", "gauge", "Requests being relayed now.", ("upstream",)),
     MetricDef("llmproxy_max_in_flight", "gauge", "The admission cap, --max-in-flight, summed over worker processes (0: no cap).", ("upstream",)),
     MetricDef("llmproxy_requests_rejected", "counter", "Requests the proxy answered 503 proxy_overloaded itself, by reason: max_in_flight (admission control), descriptors, ports, memory (the proxy ran out while connecting upstream or relaying). Never the upstream's fault.", ("upstream", "reason")),
@@ -171,7 +172,9 @@ class ProxyMetrics:
         model = self.models(t.model)
         stream = "true" if t.stream else "false"
         child = self.child
-        child("llmproxy_requests", model, upstream, t.endpoint, stream, t.outcome, str(t.status_code)).inc()
+        child("llmproxy_requests", model, upstream, t.endpoint, stream, t.api, t.outcome, str(t.status_code)).inc()
+        if t.unmeasured:
+            child("llmproxy_unmeasured_requests", upstream, t.endpoint, t.unmeasured).inc()
         if t.outcome == "overloaded":
             child("llmproxy_requests_rejected", upstream, t.error.rpartition(":")[2]).inc()
         for step, seconds in (b.connect.items() if b is not None else ()):

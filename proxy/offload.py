@@ -22,9 +22,9 @@ from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPool
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable, TypeVar
 
-from .chunk import BodyInfo, read_json_body
-from .request import ENDPOINTS, parse_request
-from .tokens import PromptParts, Tokenizer, prompt_parts
+from . import apis
+from .chunk import BodyInfo
+from .tokens import PromptParts, Tokenizer
 
 INLINE_TOKENIZE_BYTES = 16 * 1024  # about 4,000 tokens: well under a millisecond to count
 BIG_BODY_BYTES = 1024 * 1024
@@ -32,14 +32,15 @@ SMALL_KEYS = ("model", "stream", "stream_options", "n")
 T = TypeVar("T")
 
 
-def summarize_request(path: str, body: bytes) -> tuple[str, dict[str, Any] | None, PromptParts | None]:
-    """In the worker: (endpoint, the request's small keys, its prompt as texts to count)."""
-    endpoint, parsed = parse_request(path, body)
+def summarize_request(path: str, body: bytes) -> tuple[dict[str, Any] | None, PromptParts | None]:
+    """In the worker: (the request's small keys, its prompt as texts to count)."""
+    route = apis.resolve(path)
+    parsed = apis.parse_request(route, body)
     if parsed is None:
-        return endpoint, None, None
+        return None, None
     view = {key: parsed[key] for key in SMALL_KEYS if key in parsed}
     view["_partial"] = True
-    return endpoint, view, (prompt_parts(endpoint, parsed) if endpoint != "other" else None)
+    return view, route.dialect.prompt_parts(route.endpoint, parsed)
 
 
 _worker_tokenizer: Tokenizer | None = None  # in the worker process only, made at its first count
@@ -78,9 +79,9 @@ def _background_worker() -> None:
         pass
 
 
-def summarize_response(parts: list[bytes], encoding: bytes) -> BodyInfo:
+def summarize_response(api: str, parts: list[bytes], encoding: bytes) -> BodyInfo:
     """In the worker: what a JSON response says; its text only when it has no usage to count from."""
-    info = read_json_body(b"".join(parts), encoding)
+    info = apis.read_json_body(api, b"".join(parts), encoding)
     return info._replace(text="") if info.usage else info
 
 
@@ -133,19 +134,18 @@ class Offload:
         self._process = self._process or _spawn(_die_with_parent)
         self._process.submit(_ready)
 
-    async def request(self, path: str, body: bytes) -> tuple[str, dict[str, Any] | None, PromptParts | None]:
-        """(endpoint, parsed body or its small keys, the prompt's parts when read in the worker)."""
-        if len(body) <= BIG_BODY_BYTES or path not in ENDPOINTS:  # unmeasured paths (file uploads) are never parsed
-            endpoint, parsed = parse_request(path, body)
-            return endpoint, parsed, None
+    async def request(self, route: apis.Route, path: str, body: bytes) -> tuple[dict[str, Any] | None, PromptParts | None]:
+        """(parsed body or its small keys, the prompt's parts when read in the worker)."""
+        if len(body) <= BIG_BODY_BYTES or not route.timed:  # unmeasured paths (file uploads) are never parsed
+            return apis.parse_request(route, body), None
         return await self.process(summarize_request, path, body)
 
-    async def response(self, parts: list[bytes] | None, encoding: bytes) -> BodyInfo:
+    async def response(self, api: str, parts: list[bytes] | None, encoding: bytes) -> BodyInfo:
         if not parts:
             return BodyInfo()
         if sum(map(len, parts)) <= BIG_BODY_BYTES:
-            return read_json_body(b"".join(parts), encoding)
-        return await self.process(summarize_response, parts, encoding)
+            return apis.read_json_body(api, b"".join(parts), encoding)
+        return await self.process(summarize_response, api, parts, encoding)
 
     def shutdown(self) -> None:
         self.threads.shutdown(wait=False, cancel_futures=True)

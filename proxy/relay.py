@@ -1,10 +1,14 @@
 """The relay: one request in, one upstream exchange, bytes out as they arrive. The hot path.
 
-The loop in `_stream` timestamps each upstream read, forwards it untouched, then frames a copy to
-note content chunks. It builds no metric, span or log: `Telemetry.finish` does that once, from the
-request's context, in `run`'s one `finally`. Only when the proxy injected
-`stream_options.include_usage` (or strips engine fields) does it forward per SSE event, to drop
-the usage-only chunk the client did not ask for.
+API-agnostic: the request path resolves to a route of one dialect (`proxy/apis/`), which reads
+the request and says what each event means. The loop in `_stream` timestamps each upstream read,
+forwards it untouched, then frames a copy (decoded first when the upstream compressed it) to note
+content chunks. It builds no metric, span or log: `Telemetry.finish` does that once, from the
+request's context, in `run`'s one `finally`. Only when the proxy injected usage (or strips engine
+fields) does it forward per SSE event, to drop what the client did not ask for; it then asks the
+upstream for identity encoding, and if the upstream compresses anyway, the client gets the
+decoded stream. A stream or body that cannot be decoded or framed (an event past
+`--max-event-bytes`) is relayed as it comes and counted as unmeasured.
 """
 from __future__ import annotations
 
@@ -15,12 +19,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from starlette.types import Receive, Scope, Send
 
-from .chunk import DONE, Chunk, parse_chunk, strip_usage_null, without_engine_fields
+from . import apis
+from .chunk import Chunk, without_engine_fields
+from .compression import DecodeError, Decoder
 from .config import Settings
 from .engine import from_llamacpp, from_tgi, from_vllm
-from .errors import ModelNotRouted, ProxyError, ProxyOverloaded, TransportError, UpstreamTimeout, map_transport_error
-from .request import ClientGone, check_request, filter_headers, header, read_body, usage_injected_body
-from .sse import Event, SSEDecoder
+from .errors import ModelNotRouted, ProxyError, ProxyOverloaded, RemoteProtocolError, TransportError, UpstreamTimeout, map_transport_error
+from .request import ClientGone, check_request, filter_headers, header, read_body
+from .sse import Event, EventTooLarge, SSEDecoder
 from .telemetry import RequestContext
 from .timing import RequestTiming, now_ns
 
@@ -48,7 +54,8 @@ class AppView(Protocol):
     client_keys: tuple[str, ...]
     admission: Admission
 
-    def upstream_headers(self, headers: list[tuple[bytes, bytes]], length: int, upstream: Upstream) -> list[tuple[bytes, bytes]]: ...
+    def upstream_headers(self, headers: list[tuple[bytes, bytes]], length: int, upstream: Upstream, dialect: apis.Dialect,
+                         identity: bool) -> list[tuple[bytes, bytes]]: ...
 
 
 class Exchange:
@@ -66,6 +73,9 @@ class Exchange:
         self.done = False  # `data: [DONE]` went by: a client leaving now has had everything
         self.response: Connection | None = None
         self.upstream: Upstream | None = None  # chosen by model once the body is parsed
+        self.route = apis.OTHER  # what the path means: its API (dialect) and endpoint
+        self.inflate: Decoder | None = None  # the streamed body's content-encoding, decoded for framing
+        self.decoder: SSEDecoder | None = None  # the stream's framer (None: not framed, or no longer)
         self.json_body: list[bytes] | None = None
         self.body_encoding = b"identity"
         self.injected = False  # we asked for include_usage: drop the usage chunk, strip usage:null
@@ -128,12 +138,16 @@ class Exchange:
 
     async def _relay(self, body: bytes) -> None:
         t, app, ctx = self.t, self.app, self.ctx
-        endpoint, parsed, ctx.prompt_parts = await app.offload.request(self.scope["path"][3:], body)
-        t.endpoint = endpoint  # type: ignore[assignment]
+        route = self.route = apis.resolve(self.scope["path"])
+        dialect = route.dialect
+        t.api, t.endpoint = dialect.name, route.endpoint  # type: ignore[assignment]
+        parsed, ctx.prompt_parts = await app.offload.request(route, self.scope["path"], body)
         original = body
         if parsed is not None:
-            t.model = str(parsed.get("model") or "unknown")
-            t.stream = parsed.get("stream") is True
+            model, t.stream = dialect.model_and_stream(route.endpoint, parsed)
+            t.model = model or route.model or "unknown"
+        elif route.model:
+            t.model = route.model
         upstream = app.router.pick(t.model)
         if upstream is None:
             raise ModelNotRouted(f"the model `{t.model}` is not routed by this proxy (see its routing file)")
@@ -141,12 +155,14 @@ class Exchange:
         upstream.in_flight += 1
         if parsed is not None:
             ctx.request, ctx.request_size = (None if parsed.get("_partial") else parsed), len(body)
-            if (t.stream and app.settings.inject_usage and not upstream.reports_counts and not upstream.rejects_stream_options
-                    and endpoint in ("chat", "completions") and not (parsed.get("_partial") and "stream_options" in parsed)):
-                new_body = usage_injected_body(parsed, body)
+            if (t.stream and app.settings.inject_usage and dialect.injects_usage and not upstream.reports_counts
+                    and not upstream.rejects_stream_options):
+                new_body = dialect.inject(route.endpoint, parsed, body)
                 if new_body is not None:
                     body, self.injected = new_body, True
-        headers = app.upstream_headers(self.scope["headers"], len(body), upstream)
+        # Where the proxy may rewrite a stream, it asks for one it can rewrite.
+        identity = self.injected or app.settings.strip_engine_fields
+        headers = app.upstream_headers(self.scope["headers"], len(body), upstream, dialect, identity)
         app.telemetry.start(ctx, self.scope["headers"])
         if ctx.spans is not None:
             headers.append((b"traceparent", ctx.spans.traceparent()))
@@ -154,8 +170,10 @@ class Exchange:
         await self._exchange(body, original, headers)
         self.relaying = False  # the response is complete: a client closing now is not a disconnect
         if self.json_body:
-            ctx.body = info = await app.offload.response(self.json_body, self.body_encoding)
+            ctx.body = info = await app.offload.response(dialect.name, self.json_body, self.body_encoding)
             self.json_body = None
+            if info.undecodable:
+                t.unmeasured = "undecodable"
             engine = from_llamacpp(info.timings) or from_vllm(info.metrics)
             t.engine = engine or t.engine
         if t.stream and t.engine is not None and t.engine.predicted_tokens is not None and t.engine.source == "llama.cpp":
@@ -166,7 +184,7 @@ class Exchange:
         upstream = self.upstream
         assert upstream is not None
         limit = upstream.first_token_timeout
-        url = upstream.target(self.scope["path"][3:], self.scope.get("query_string", b""))
+        url = upstream.target(self.scope["path"], self.scope.get("query_string", b""))
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout_at(loop.time() + limit) as silence:
@@ -236,14 +254,23 @@ class Exchange:
         t.engine = from_tgi(response.headers) or t.engine
         out_headers = filter_headers(response.headers)
         content_type = header(response.headers, b"content-type", b"")
-        encoding = header(response.headers, b"content-encoding", b"identity")
+        encoding = header(response.headers, b"content-encoding", b"identity").strip().lower()
+        compressed = encoding not in (b"identity", b"")
         is_sse = content_type.startswith(b"text/event-stream")
-        json_ok = (not is_sse and response.status < 400 and encoding in (b"identity", b"gzip", b"deflate")
-                   and (b"json" in content_type or not content_type))
-        self.strip = settings.strip_engine_fields and (is_sse or (json_ok and encoding == b"identity"))
+        # Untimed routes (a stored response's stream, GET /v1/responses/{id}?stream=true) are relayed, never read.
+        timed = is_sse and self.route.timed
+        json_ok = self.route.timed and not is_sse and response.status < 400 and (b"json" in content_type or not content_type)
+        self.strip = settings.strip_engine_fields and (is_sse or (json_ok and not compressed))
         self.rewrite = is_sse and (self.injected or self.strip)
         if json_ok:
             self.json_body, self.body_encoding = [], encoding
+        if timed and compressed:
+            try:
+                self.inflate = Decoder(encoding, settings.max_event_bytes)
+            except DecodeError:
+                t.unmeasured, timed, self.rewrite = "undecodable", False, False
+        if self.rewrite and self.inflate is not None:  # asked for identity and got it compressed: the client gets it decoded
+            out_headers = [(k, v) for k, v in out_headers if k.lower() != b"content-encoding"]
         if is_sse:
             out_headers.append((b"x-accel-buffering", b"no"))
         elif self.strip:
@@ -253,9 +280,7 @@ class Exchange:
         if length is not None and not self.rewrite:
             out_headers.append((b"content-length", length))
         await self._start(response.status, out_headers)
-        # A stored response's stream (GET /v1/responses/{id}?stream=true) is relayed, not timed.
-        timed = is_sse and self.t.endpoint != "responses_other"
-        await self._stream(response, SSEDecoder() if timed else None, silence)
+        await self._stream(response, SSEDecoder(settings.max_event_bytes) if timed else None, silence)
 
     async def _start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.started = True
@@ -267,21 +292,26 @@ class Exchange:
         upstream = self.upstream
         assert upstream is not None  # (a response is only streamed from the upstream the router chose)
         loop, idle = asyncio.get_running_loop(), upstream.read_timeout
-        kept, decoding, read = 0, bool(t.content_ns), response.read
+        kept, decoding, read, inflate = 0, bool(t.content_ns), response.read, self.inflate
+        self.decoder = decoder
         while chunk := await read():
             now = now_ns()
             if decoding and silence is not None:  # after the first token, the (shorter) inter-chunk limit
                 silence.reschedule(loop.time() + idle)
             self.sending = True
             if rewrite:
-                out = b"".join([self._rewritten(event, now) for event in decoder.feed(chunk)])  # type: ignore[union-attr]
+                out = self._rewrite(chunk, now)
                 if out:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
             else:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 if decoder is not None:
-                    for event in decoder.feed(chunk):
-                        self._note(event.data, now)
+                    try:
+                        for event in decoder.feed(chunk if inflate is None else inflate.feed(chunk)):
+                            self._note(event.data, now)
+                    except (DecodeError, EventTooLarge) as exc:
+                        self._unframed(exc)
+                        decoder = None
                 elif json_body is not None and kept < NON_STREAM_BODY_LIMIT:
                     json_body.append(chunk)
                     kept += len(chunk)
@@ -291,6 +321,7 @@ class Exchange:
                 silence.reschedule(loop.time() + idle)
         t.upstream_end_ns = now = now_ns()
         self.sending = True  # the upstream is done: a timeout from here on is the client's
+        decoder = self.decoder
         if decoder is not None:
             for event in decoder.flush():
                 if not rewrite:
@@ -302,12 +333,34 @@ class Exchange:
         t.response_end_ns = now_ns()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
+    def _unframed(self, exc: Exception) -> None:
+        """Framing stops (undecodable bytes, an event past the limit): the rest is relayed, unmeasured."""
+        self.t.unmeasured = "event_too_large" if isinstance(exc, EventTooLarge) else "undecodable"
+        self.decoder = None
+        log.warning("stream no longer measured (%s): %s", self.t.unmeasured, exc)
+
+    def _rewrite(self, chunk: bytes, now: int) -> bytes:
+        """Rewrite mode: the bytes to forward for one read (decoded, if the upstream compressed)."""
+        decoder, inflate = self.decoder, self.inflate
+        if inflate is not None:
+            try:
+                chunk = inflate.feed(chunk)
+            except DecodeError as exc:  # the client was promised decoded bytes: nothing sensible remains to send
+                self._unframed(exc)
+                raise RemoteProtocolError("the upstream's compressed stream could not be decoded") from None
+        if decoder is None:
+            return chunk
+        try:
+            return b"".join([self._rewritten(event, now) for event in decoder.feed(chunk)])
+        except EventTooLarge as exc:
+            self._unframed(exc)
+            return exc.pending
+
     def _note(self, data: bytes | None, now: int) -> Chunk | None:
-        """Record what an event means for timing; returns the parsed chunk (None: no JSON data)."""
-        if data is None or data == DONE:
-            self.done = self.done or data == DONE
+        """Record what an event means for timing; returns the parsed chunk (None: no data)."""
+        if data is None:
             return None
-        chunk = parse_chunk(data)
+        chunk = self.route.dialect.event(data)
         t = self.t
         if chunk.texts and not t.content_ns:  # decode starts: how many requests share the engine now
             t.in_flight_at_decode = self.app.admission.in_flight
@@ -317,18 +370,21 @@ class Exchange:
             t.chunk_text.append(text)
         if chunk.reasoning:
             t.reasoning_streamed = True
+        if chunk.hidden:
+            t.hidden_reasoning_blocks += 1
         if chunk.model and not t.response_model:
             t.response_model = chunk.model
-        if chunk.usage is not None:
-            self.ctx.usage = chunk.usage
+        if chunk.usage is not None:  # merged: an API may report its counts over several events (Anthropic)
+            self.ctx.usage = {**self.ctx.usage, **chunk.usage} if self.ctx.usage else chunk.usage
         if chunk.timings is not None:
             t.engine = from_llamacpp(chunk.timings) or t.engine
         if chunk.metrics is not None:
             t.engine = from_vllm(chunk.metrics) or t.engine
         if not chunk.valid:
             t.malformed_chunks += 1
-        if chunk.failed:  # the stream itself reported an error (Responses API `response.failed`, `error`)
+        if chunk.failed:  # the stream itself reported an error (`response.failed`, an `error` event)
             t.outcome, t.error = "upstream_error", f"stream_error:{chunk.failed}"
+        self.done = self.done or chunk.final
         return chunk
 
     def _rewritten(self, event: Event, now: int) -> bytes:
@@ -336,13 +392,8 @@ class Exchange:
         chunk = self._note(event.data, now)
         if chunk is None:
             return event.raw
-        if self.injected:
-            if chunk.usage_only:
-                return b""  # the usage chunk the client did not ask for
-            raw = strip_usage_null(event.raw)
-        else:
-            raw = event.raw
-        if self.strip and (chunk.timings is not None or chunk.metrics is not None) and event.data is not None:
+        raw = self.route.dialect.forwarded(chunk, event.raw) if self.injected else event.raw
+        if self.strip and raw and (chunk.timings is not None or chunk.metrics is not None) and event.data is not None:
             raw = raw.replace(event.data, without_engine_fields(event.data), 1)
         return raw
 

@@ -36,6 +36,7 @@ from typing import Any
 import orjson
 
 from . import responses
+from .apis.openai import prompt_parts
 from .tokens import Tokenizer
 
 # Each is one token in cl100k_base and o200k_base, so chunk text and token counts agree.
@@ -149,7 +150,7 @@ class Simulator:
     async def _embeddings(self, send: Any, request: dict[str, Any]) -> None:
         inputs = request.get("input")
         items = inputs if isinstance(inputs, list) and not all(isinstance(x, int) for x in inputs) else [inputs]
-        tokens = self.tokenizer.count_prompt("embeddings", request)
+        tokens = self.tokenizer.count_parts(prompt_parts("embeddings", request))
         data = [{"object": "embedding", "index": i, "embedding": [round(0.01 * (i + j), 4) for j in range(8)]} for i in range(len(items))]
         await self._reply(send, _json_response(200, {"object": "list", "data": data, "model": request.get("model", ""), "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}))
 
@@ -203,7 +204,7 @@ class Simulator:
         if headers.get("x-sim-reject-stream-options") == "1" and "stream_options" in request:
             error = {"error": {"message": "Unrecognized request argument supplied: stream_options", "type": "invalid_request_error", "param": None, "code": None}}
             return await self._reply(send, _json_response(400, error))
-        plan = self._plan(self.tokenizer.count_prompt(kind, request), request, headers)
+        plan = self._plan(self.tokenizer.count_parts(prompt_parts(kind, request)), request, headers)
         digest = hashlib.sha1(orjson.dumps([model, request.get("messages"), request.get("prompt"), request.get("max_tokens")])).hexdigest()[:24]
         ident = {"chat": "chatcmpl-", "responses": "resp_"}.get(kind, "cmpl-") + digest
         created = FIXED_CREATED if cfg.deterministic else int(time.time())

@@ -1,9 +1,15 @@
-"""Byte-level Server-Sent Events framing, incremental across reads.
+"""Byte-level Server-Sent Events framing, incremental across reads, linear and bounded.
 
 The relay forwards raw bytes first and frames a copy, so framing never alters what the client gets.
 Lines end in CRLF, LF or CR (the SSE spec); an event ends at a blank line; `:` lines are comments;
 several `data:` lines join with LF. A CR at the very end of a read is held back, since the next read
 may start with its LF.
+
+Cost: every byte is appended once (a bytearray, amortised) and searched for a line end once, so
+framing an event is linear in its size however many reads it spans. An unfinished event larger
+than `limit` bytes raises `EventTooLarge` (carrying the bytes held so far): the caller stops
+framing that stream and relays the rest as it comes, so one endless event can neither grow the
+proxy's memory past the limit nor hold the event loop.
 """
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ import re
 from dataclasses import dataclass
 
 _LINE_END = re.compile(rb"\r\n|\r|\n")
+DEFAULT_LIMIT = 16 * 1024 * 1024  # --max-event-bytes: far above real events (base64 images in image streams are a few MB)
 
 
 @dataclass(slots=True)
@@ -19,53 +26,85 @@ class Event:
     data: bytes | None  # joined data fields, None for an event with no data (comments only)
 
 
+class EventTooLarge(Exception):
+    """An event grew past the framing limit; `pending` holds its bytes so far (not yet framed)."""
+
+    def __init__(self, pending: bytes, limit: int) -> None:
+        super().__init__(f"an SSE event exceeded {limit} bytes")
+        self.pending = pending
+
+
 class SSEDecoder:
     """Feed it reads; it returns the events completed by each read."""
 
-    __slots__ = ("_buffer", "_scan", "_data")
+    __slots__ = ("_pending", "_scan", "_searched", "_data", "limit")
 
-    def __init__(self) -> None:
-        self._buffer = b""  # bytes of the unfinished event, from its first byte
-        self._scan = 0  # offset in _buffer where the lines not yet parsed begin
+    def __init__(self, limit: int = DEFAULT_LIMIT) -> None:
+        self._pending = bytearray()  # bytes of the unfinished event, from its first byte
+        self._scan = 0  # offset in _pending where the lines not yet parsed begin
+        self._searched = 0  # offset in _pending before which no line end remains to be found
         self._data: list[bytes] = []
+        self.limit = limit
 
     def feed(self, chunk: bytes) -> list[Event]:
-        buffer = self._buffer + chunk if self._buffer else chunk
+        pending = self._pending
+        if pending:
+            pending += chunk
+            buffer: bytes | bytearray = pending
+        else:
+            buffer = chunk  # the usual case: nothing held, no copy
         events: list[Event] = []
         pos = self._scan
+        search = max(pos, self._searched)
         event_start = 0
         length = len(buffer)
         while True:
-            match = _LINE_END.search(buffer, pos)
+            match = _LINE_END.search(buffer, search)
             if match is None:
+                search = length
                 break
             end = match.end()
             if end == length and match.group() == b"\r":
-                break  # maybe half of CRLF: wait for the next read
+                search = match.start()  # maybe half of CRLF: look at it again with the next read
+                break
             line = buffer[pos : match.start()]
-            pos = end
+            pos = search = end
             if line:
                 self._field(line)
                 continue
             data = b"\n".join(self._data) if self._data else None
-            events.append(Event(raw=buffer[event_start:pos], data=data))
+            events.append(Event(raw=bytes(buffer[event_start:pos]), data=data))
             self._data = []
             event_start = pos
-        self._buffer = buffer[event_start:]
-        self._scan = pos - event_start
+        if buffer is pending:
+            del pending[:event_start]
+        elif event_start < length:
+            pending += buffer[event_start:]
+        self._scan, self._searched = pos - event_start, search - event_start
+        if len(pending) > self.limit:
+            held = bytes(pending)
+            self._reset()
+            raise EventTooLarge(held, self.limit)
         return events
 
-    def _field(self, line: bytes) -> None:
+    def _field(self, line: bytes | bytearray) -> None:
         if line[:1] == b":":
             return
         name, _, value = line.partition(b":")
         if name == b"data":
-            self._data.append(value[1:] if value[:1] == b" " else value)
+            self._data.append(bytes(value[1:] if value[:1] == b" " else value))
+
+    def _reset(self) -> None:
+        self._pending = bytearray()
+        self._scan = self._searched = 0
+        self._data = []
 
     def flush(self) -> list[Event]:
         """End of stream: an unterminated last event still counts (servers sometimes omit it)."""
-        rest, tail = self._buffer, self._buffer[self._scan :]
-        self._buffer, self._scan = b"", 0
+        rest, tail = bytes(self._pending), bytes(self._pending[self._scan :])
+        data_lines = self._data
+        self._reset()
+        self._data = data_lines
         line = tail.rstrip(b"\r\n")
         if line:
             self._field(line)

@@ -18,13 +18,14 @@ from typing import Any, Iterator, Protocol
 
 import orjson
 
+from . import apis
 from .chunk import BodyInfo, read_usage
 from .config import Settings
 from .metrics import ProxyMetrics
 from .offload import Offload
 from .records import RecordStore
 from .timing import Breakdown, RequestTiming, split
-from .tokens import PromptParts, Tokenizer, prompt_parts
+from .tokens import PromptParts, Tokenizer
 from .tracing import RequestSpans, Tracing
 
 log = logging.getLogger("llmproxy.telemetry")
@@ -59,6 +60,7 @@ def record_dict(ctx: RequestContext, b: Breakdown) -> dict[str, Any]:
     """The stored per-request record: timings and counts, never text or credentials."""
     t = ctx.timing
     record = {
+        "api": t.api,
         "endpoint": t.endpoint,
         "model": t.model,
         "response_model": t.response_model,
@@ -91,6 +93,7 @@ def record_dict(ctx: RequestContext, b: Breakdown) -> dict[str, Any]:
         "tokenize_prompt_s": t.tokenize_prompt_s,
         "content_chunks": len(t.content_ns),
         "malformed_chunks": t.malformed_chunks,
+        "unmeasured": t.unmeasured,
         "inter_token_p50_s": _median(b.inter_token_s),
         "engine": t.engine.as_dict() if t.engine is not None else None,
         "received_unix_ns": t.received_ns + ctx.wall_offset_ns,
@@ -306,9 +309,9 @@ class Telemetry:
         if self.tokenizer is None:
             return
         parts = ctx.prompt_parts
-        if parts is None and ctx.request is not None and t.endpoint != "other":
+        if parts is None and ctx.request is not None:
             with self._guard("tokenizer"):
-                parts = prompt_parts(t.endpoint, ctx.request)
+                parts = apis.BY_NAME[t.api].prompt_parts(t.endpoint, ctx.request)
         if parts is not None:
             with self._guard("tokenizer"):
                 count, uncounted, seconds = await self.offload.prompt_count(ctx.request_size, self.tokenizer, parts)
@@ -317,13 +320,17 @@ class Telemetry:
                     t.prompt_tokens = count
         text = ctx.body.text if ctx.body is not None else ""
         texts = t.chunk_text if t.chunk_text else ([text] if text else [])
+        hidden_unknown = t.hidden_reasoning_blocks and t.reasoning_tokens is None and t.completion_tokens is not None
         visible = t.visible_tokens
-        if not texts or (visible is not None and (visible == len(t.content_ns) or not t.content_ns)):
+        if not texts or (not hidden_unknown and visible is not None and (visible == len(t.content_ns) or not t.content_ns)):
             return  # counts known, and one token per chunk (or no chunks to divide): nothing to count
         with self._guard("tokenizer"):
             counts, seconds = await self.offload.thread(sum(map(len, texts)), self.tokenizer.timed_chunk_counts, t.model, texts)
             t.tokenize_completion_s = seconds
             total = sum(counts)
+            if hidden_unknown and t.completion_tokens is not None:  # never streamed, never reported apart: the rest is hidden
+                t.reasoning_tokens = max(0, t.completion_tokens - total)
+                visible = t.visible_tokens
             if t.content_ns:
                 scale = visible / total if visible is not None and total else 1.0
                 t.chunk_tokens = [count * scale for count in counts]  # usage's total, shared by the tokenizer's counts

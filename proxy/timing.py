@@ -35,7 +35,8 @@ now_ns = time.monotonic_ns
 
 NS = 1_000_000_000
 Outcome = Literal["ok", "upstream_error", "client_disconnect", "client_slow", "timeout", "proxy_error", "overloaded"]
-Endpoint = Literal["chat", "completions", "embeddings", "responses", "responses_other", "other"]
+Endpoint = Literal["chat", "completions", "embeddings", "responses", "responses_other", "messages", "messages_other", "other"]
+Unmeasured = Literal["", "event_too_large", "undecodable"]
 Phase = Literal["client", "proxy", "network", "tokenize", "queue", "reasoning", "prefill", "decode", "server"]
 TokenSource = Literal["usage", "engine", "tokenizer"]
 OUTCOMES: tuple[Outcome, ...] = ("ok", "upstream_error", "client_disconnect", "client_slow", "timeout", "proxy_error", "overloaded")
@@ -53,6 +54,7 @@ class RequestTiming:
     """Everything measured about one request. Filled by the relay, read once by split()."""
 
     received_ns: int
+    api: str = "other"  # the wire API (proxy/apis/): openai, azure, anthropic, other
     endpoint: Endpoint = "other"
     model: str = "unknown"
     stream: bool = False
@@ -75,6 +77,7 @@ class RequestTiming:
     content_choice: list[int] = field(default_factory=list)
     chunk_text: list[str] = field(default_factory=list)  # kept in memory only, for token counts
     reasoning_streamed: bool = False  # visible reasoning deltas were streamed
+    hidden_reasoning_blocks: int = 0  # blocks of reasoning generated but never streamed (Anthropic redacted_thinking)
     upstream_end_ns: int | None = None
     response_end_ns: int | None = None
     # tokens
@@ -93,6 +96,7 @@ class RequestTiming:
     error: str = ""
     response_model: str = ""
     malformed_chunks: int = 0
+    unmeasured: Unmeasured = ""  # why the response was relayed but not (wholly) read: an event past the limit, undecodable bytes
     engine: EngineTimings | None = None  # the upstream engine's own timings, when it reports them
     captured_input: str = ""  # prompt text, only with --capture-content (spans only)
     captured_output: str = ""  # completion text, only with --capture-content (spans only)

@@ -111,10 +111,6 @@ class Tokenizer:
         enc = self.encoding(parts.model)
         return parts.fixed + sum(len(enc.encode_ordinary(text)) for text in parts.texts)
 
-    def count_prompt(self, endpoint: str, body: dict[str, Any]) -> int:
-        """Prompt tokens of a chat, completions or embeddings request body."""
-        return self.count_parts(prompt_parts(endpoint, body))
-
     def timed_prompt_count(self, parts: PromptParts) -> tuple[int, int, float]:
         """(tokens, uncounted parts, seconds): the tokenize phase is this thread's CPU time for the
         count (the encoding is loaded first, outside the clock). Run it where no other thread wants
@@ -145,54 +141,9 @@ class PromptParts(NamedTuple):
     uncounted: int = 0  # parts the tokenizer cannot count (images, audio, files)
 
 
-def prompt_parts(endpoint: str, body: dict[str, Any]) -> PromptParts:
-    """Chat: OpenAI's token-counting guide (3 per message, 1 per name, 3 to prime the reply); text
-    content parts counted, image/audio/file parts not (their count depends on pixels or seconds the
-    proxy does not decode) and reported as uncounted; assistant `tool_calls` and the legacy
-    `function_call` count their name and arguments; `tools` / `functions` count their JSON text, an
-    approximation (OpenAI injects them in an unpublished format)."""
-    parts = _Parts(str(body.get("model") or ""))
-    if endpoint == "responses":
-        return _responses_parts(parts, body)
-    if endpoint != "chat":
-        parts.input(body.get("prompt") if endpoint == "completions" else body.get("input"))
-        return parts.done()
-    parts.fixed = REPLY_PRIMING
-    for message in body.get("messages") or []:
-        if not isinstance(message, dict):
-            continue
-        parts.fixed += TOKENS_PER_MESSAGE
-        for key, value in message.items():
-            parts.value(value)
-            if key == "name":
-                parts.fixed += TOKENS_PER_NAME
-    for key in ("tools", "functions"):
-        if isinstance(body.get(key), list) and body[key]:
-            parts.texts.append(orjson.dumps(body[key]).decode())
-    return parts.done()
+class Parts:
+    """A prompt being collected (a dialect fills it from its request body)."""
 
-
-def _responses_parts(parts: "_Parts", body: dict[str, Any]) -> PromptParts:
-    """Responses API: `instructions`, then `input` (a string, which is one user message, or items:
-    messages whose content is a string or input_text parts, function calls and their outputs),
-    counted as chat messages are."""
-    parts.fixed = REPLY_PRIMING
-    if isinstance(body.get("instructions"), str):
-        parts.fixed += TOKENS_PER_MESSAGE
-        parts.texts.append(body["instructions"])
-    items = body.get("input")
-    for item in [{"role": "user", "content": items}] if isinstance(items, str) else (items if isinstance(items, list) else []):
-        if not isinstance(item, dict):
-            continue
-        parts.fixed += TOKENS_PER_MESSAGE
-        for key in ("role", "content", "output", "arguments", "name"):
-            parts.value(item.get(key))
-    if isinstance(body.get("tools"), list) and body["tools"]:
-        parts.texts.append(orjson.dumps(body["tools"]).decode())
-    return parts.done()
-
-
-class _Parts:
     def __init__(self, model: str) -> None:
         self.model = model
         self.texts: list[str] = []

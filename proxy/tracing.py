@@ -18,6 +18,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from . import apis
 from .config import Settings
 from .export import WorkerExporter
 from .timing import Breakdown, RequestTiming
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
 # gen_ai.operation.name per endpoint. The Responses API is `chat` with `openai.api.type=responses`,
 # as the OpenAI semantic conventions map it (they define no `responses` operation).
 OPERATIONS = {"chat": "chat", "completions": "text_completion", "embeddings": "embeddings", "responses": "chat",
-              "responses_other": "proxy", "other": "proxy"}
+              "responses_other": "proxy", "messages": "chat", "messages_other": "proxy", "other": "proxy"}
 API_TYPES = {"chat": "chat_completions", "responses": "responses"}
 _PROPAGATOR = TraceContextTextMapPropagator()
 _SCOPE = InstrumentationScope("llm-latency-proxy")
@@ -266,8 +267,9 @@ class Tracing:
     def _attributes(self, t: RequestTiming, b: Breakdown, host: str, port: int) -> dict[str, Any]:
         attrs: dict[str, Any] = {
             "gen_ai.operation.name": OPERATIONS[t.endpoint],
-            "openai.api.type": API_TYPES.get(t.endpoint),
-            "gen_ai.provider.name": self.settings.provider,
+            "openai.api.type": API_TYPES.get(t.endpoint) if t.api in ("openai", "azure") else None,
+            "gen_ai.provider.name": apis.BY_NAME[t.api].provider or self.settings.provider,
+            "llmproxy.api": t.api,
             "gen_ai.request.model": t.model,
             "gen_ai.request.stream": t.stream,
             "server.address": host,

@@ -62,10 +62,11 @@ class Upstream:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings  # this upstream's own (--upstream, or its entry in the routing file)
         self.in_flight = 0  # requests on this upstream now (the router picks the least busy)
-        self.auth = f"Bearer {settings.upstream_api_key}".encode() if settings.upstream_api_key else None
+        self.key = settings.upstream_api_key.encode() if settings.upstream_api_key else None  # replaces the client's
         self.first_token_timeout, self.read_timeout = settings.first_token_timeout, settings.read_timeout
         scheme, host, port, base_path = settings.upstream_parts
         self.scheme, self.host, self.port, self.base_path = scheme, host, port, base_path
+        self.prefix = base_path[:-3] if base_path.endswith("/v1") else base_path  # the base path without its /v1
         self.host_header = host if port in (80, 443) else f"{host}:{port}"
         self.label = settings.upstream_label
         # Learned: the upstream puts per-request token counts in its streams itself (llama.cpp's
@@ -85,9 +86,23 @@ class Upstream:
         self._slots = asyncio.Semaphore(settings.max_connections)
 
     def target(self, path: str, query: bytes) -> bytes:
-        """The request target for `path`, the client's path below /v1 (e.g. `/chat/completions`)."""
-        target = f"{self.base_path}{path}".encode()
-        return target + b"?" + query if query else target
+        """The upstream's request target for the client's `path` (the query string goes as it came):
+
+        - a path under `/v1/` replaces that `/v1` with the upstream's base path
+          (`http://h/v1` + `/v1/chat/completions` → `/v1/chat/completions`; `http://h/openai/v1beta`
+          → `/openai/v1beta/chat/completions`);
+        - any other path goes below the base path less a final `/v1` (`http://h:11434/v1` or
+          `http://h:11434` + `/api/tags` → `/api/tags`), unless it already starts with it
+          (`https://r.openai.azure.com/openai/v1` + `/openai/deployments/d/chat/completions` as is).
+        """
+        if path.startswith("/v1/"):
+            target = self.base_path + path[3:]
+        elif self.prefix and not (path == self.prefix or path.startswith(self.prefix + "/")):
+            target = self.prefix + path
+        else:
+            target = path
+        raw = target.encode()
+        return raw + b"?" + query if query else raw
 
     async def send(self, method: str, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes,
                    timing: RequestTiming) -> Connection:

@@ -1,7 +1,8 @@
 """What counts as a content chunk."""
 import orjson
 
-from proxy.chunk import parse_chunk, read_usage, strip_usage_null
+from proxy.apis.openai import parse_chunk
+from proxy.chunk import read_usage, strip_usage_null
 
 
 def chat(delta, **extra):

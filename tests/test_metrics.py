@@ -27,7 +27,7 @@ def observed():
 def test_request_counter_and_histograms():
     registry, _ = observed()
     base = {"model": "m", "upstream": UP, "endpoint": "chat", "stream": "true"}
-    assert registry.get_sample_value("llmproxy_requests_total", {**base, "outcome": "ok", "code": "200"}) == 1
+    assert registry.get_sample_value("llmproxy_requests_total", {**base, "api": "other", "outcome": "ok", "code": "200"}) == 1
     assert registry.get_sample_value("llmproxy_time_to_first_token_seconds_sum", base) == pytest.approx(0.210)
     assert registry.get_sample_value("llmproxy_time_to_first_token_seconds_bucket", {**base, "le": "0.2"}) == 0
     assert registry.get_sample_value("llmproxy_time_to_first_token_seconds_bucket", {**base, "le": "0.5"}) == 1

@@ -6,8 +6,10 @@ import threading
 
 import orjson
 
+from proxy import apis
 from proxy.offload import BIG_BODY_BYTES, Offload
-from proxy.tokens import Tokenizer, prompt_parts
+from proxy.apis.openai import prompt_parts
+from proxy.tokens import Tokenizer
 
 
 def test_a_large_prompt_is_counted_in_the_worker_with_the_tokenizers_own_time():
@@ -42,13 +44,13 @@ def test_a_big_request_body_is_summarised_in_the_worker():
                          "messages": [{"role": "user", "content": "x " * BIG_BODY_BYTES}]})
     offload = Offload()
     try:
-        endpoint, view, parts = asyncio.run(offload.request("/chat/completions", body))
-        small = asyncio.run(offload.request("/files", body))  # an unmeasured path is never parsed
+        view, parts = asyncio.run(offload.request(apis.resolve("/v1/chat/completions"), "/v1/chat/completions", body))
+        small = asyncio.run(offload.request(apis.resolve("/v1/files"), "/v1/files", body))  # an unmeasured path is never parsed
     finally:
         offload.shutdown()
-    assert endpoint == "chat" and view == {"model": "m", "stream": True, "stream_options": {"include_usage": 1}, "_partial": True}
+    assert view == {"model": "m", "stream": True, "stream_options": {"include_usage": 1}, "_partial": True}
     assert parts is not None and parts.texts == ["user", "x " * BIG_BODY_BYTES] and parts.fixed == 3 + 3
-    assert small == ("other", None, None)
+    assert small == (None, None)
 
 
 def test_telemetry_export_runs_in_a_lowest_priority_worker():

@@ -4,17 +4,21 @@ import json
 import orjson
 from hypothesis import given, strategies as st
 
-from proxy.request import USAGE_OPTION, filter_headers, parse_request, usage_injected_body
+from proxy import apis
+from proxy.apis.openai import USAGE_OPTION, usage_injected_body
+from proxy.request import filter_headers
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
                     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
                     max_leaves=20)
 
 
-@given(st.sampled_from(["/chat/completions", "/completions", "/embeddings", "/models", "/x"]), st.binary(max_size=200))
+@given(st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/x", "/v1/messages",
+                         "/openai/deployments/d/chat/completions"]), st.binary(max_size=200))
 def test_parse_request_never_crashes_on_bytes(path, body):
-    endpoint, parsed = parse_request(path, body)
-    assert endpoint in ("chat", "completions", "embeddings", "other")
+    route = apis.resolve(path)
+    parsed = apis.parse_request(route, body)
+    assert route.endpoint in ("chat", "completions", "embeddings", "messages", "other")
     assert parsed is None or isinstance(parsed, dict)
 
 

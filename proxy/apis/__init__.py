@@ -1,0 +1,127 @@
+"""The wire APIs the proxy measures, one module each (a "dialect"), behind one small interface.
+
+The relay never knows which API it carries: it resolves the request path to a `Route` (which
+dialect, which `endpoint`, timed or not) and asks that dialect what the request says (model,
+stream flag, prompt texts), what each streamed event means (a `Chunk`: content, visible
+reasoning, usage, engine timings, an error, the end) and what a whole JSON body says. We never
+translate between APIs, so a dialect only reads. Adding an API: its module and one row in
+`DIALECTS`.
+
+| api | paths | endpoints |
+|---|---|---|
+| `openai` | `/v1/chat/completions`, `/v1/completions`, `/v1/embeddings`, `/v1/responses[/…]` | chat, completions, embeddings, responses, responses_other |
+| `azure` | `/openai/deployments/{d}/…`, `/openai/v1/…`, `/openai/responses` | the same as openai (Azure OpenAI is chat) |
+| `anthropic` | `/v1/messages`, `/v1/messages/…` (count_tokens, batches) | messages, messages_other |
+
+Any other path is relayed untouched and untimed: api `other`, endpoint `other`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from ..chunk import BodyInfo, Chunk
+from ..compression import DecodeError, decompress
+from ..tokens import PromptParts
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """What a request path means."""
+
+    dialect: "Dialect"
+    endpoint: str  # the `endpoint` label
+    timed: bool = True  # False: relayed untouched, never timed as a generation (stored-object operations)
+    model: str = ""  # a model the path names (an Azure deployment), used when the body names none
+
+
+class Dialect:
+    """One wire API. The defaults are what an API that measures nothing would say."""
+
+    name = "other"  # the `api` label of records and requests_total, and openai.api / gen_ai.provider on spans
+    provider = ""  # gen_ai.provider.name for this API ("": from the upstream's host, as for OpenAI-compatible servers)
+    key_headers: tuple[bytes, ...] = (b"authorization",)  # where clients put their key; an upstream key goes in the first
+    key_prefix = b"Bearer "  # what precedes the key in that header
+    injects_usage = False  # can ask the upstream for usage the client did not request (and strip it again)
+
+    def route(self, path: str) -> Route | None:
+        """This API's route for `path`, or None if the path is not this API's."""
+        return None
+
+    def model_and_stream(self, endpoint: str, parsed: dict[str, Any]) -> tuple[str, bool]:
+        return str(parsed.get("model") or ""), parsed.get("stream") is True
+
+    def prompt_parts(self, endpoint: str, parsed: dict[str, Any]) -> PromptParts | None:
+        return None
+
+    def event(self, data: bytes) -> Chunk:
+        """What one SSE data payload means."""
+        return Chunk()
+
+    def body(self, obj: dict[str, Any]) -> BodyInfo:
+        """What a whole (non-streaming) JSON response body says."""
+        return BodyInfo()
+
+    def inject(self, endpoint: str, parsed: dict[str, Any], raw: bytes) -> bytes | None:
+        """The request body asking for usage the client did not, or None (nothing to inject)."""
+        return None
+
+    def forwarded(self, chunk: Chunk, raw: bytes) -> bytes:
+        """With usage injected: the bytes of one event the client should get (b"": none)."""
+        return raw
+
+
+class Passthrough(Dialect):
+    """Paths no API owns: relayed as they are."""
+
+
+from .anthropic import Anthropic  # noqa: E402  (the dialects subclass Dialect, defined above)
+from .azure import Azure  # noqa: E402
+from .openai import OpenAI  # noqa: E402
+
+PASSTHROUGH = Passthrough()
+# The one table: the first dialect that claims a path serves it.
+DIALECTS: tuple[Dialect, ...] = (OpenAI(), Anthropic(), Azure())
+BY_NAME: dict[str, Dialect] = {d.name: d for d in (*DIALECTS, PASSTHROUGH)}
+API_NAMES = tuple(BY_NAME)
+OTHER = Route(PASSTHROUGH, "other", timed=False)
+
+
+def resolve(path: str) -> Route:
+    for dialect in DIALECTS:
+        route = dialect.route(path)
+        if route is not None:
+            return route
+    return OTHER
+
+
+def parse_request(route: Route, body: bytes) -> dict[str, Any] | None:
+    """The parsed JSON object of a timed request, or None (not timed, empty, not JSON, not an object).
+    A body we cannot parse is still forwarded as it came: only measurement degrades."""
+    if not route.timed or not body:
+        return None
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    return parsed if isinstance(parsed, dict) else None
+
+
+def read_json_body(api: str, raw: bytes, encoding: bytes = b"identity") -> BodyInfo:
+    """What a non-streaming JSON response says, decoded first (gzip, deflate, br, zstd). Pure and
+    picklable in and out, so a large body can be read in another process."""
+    if not raw:
+        return BodyInfo()
+    try:
+        raw = decompress(raw, encoding)
+    except DecodeError:
+        return BodyInfo(undecodable=True)
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return BodyInfo()
+    if not isinstance(obj, dict):
+        return BodyInfo()
+    return BY_NAME[api].body(obj)

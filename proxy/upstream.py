@@ -88,14 +88,15 @@ class Upstream:
     def target(self, path: str, query: bytes) -> bytes:
         """The upstream's request target for the client's `path` (the query string goes as it came):
 
-        - a path under `/v1/` replaces that `/v1` with the upstream's base path
-          (`http://h/v1` + `/v1/chat/completions` → `/v1/chat/completions`; `http://h/openai/v1beta`
-          → `/openai/v1beta/chat/completions`);
-        - any other path goes below the base path less a final `/v1` (`http://h:11434/v1` or
-          `http://h:11434` + `/api/tags` → `/api/tags`), unless it already starts with it
-          (`https://r.openai.azure.com/openai/v1` + `/openai/deployments/d/chat/completions` as is).
+        - the path goes below the base path less a final `/v1` (`http://h/v1` or `http://h` +
+          `/v1/chat/completions` → `/v1/chat/completions`; `http://h:11434/v1` + `/api/tags` →
+          `/api/tags`; `https://r.openai.azure.com/openai/v1` + `/v1/chat/completions` →
+          `/openai/v1/chat/completions`), unless it already starts with that (the same base +
+          `/openai/deployments/d/chat/completions` goes as is);
+        - a base path that does not end in `/v1` stands for the client's `/v1`
+          (`http://h/api/openai/v1beta` + `/v1/chat/completions` → `/api/openai/v1beta/chat/completions`).
         """
-        if path.startswith("/v1/"):
+        if path.startswith("/v1/") and self.base_path and self.prefix == self.base_path:
             target = self.base_path + path[3:]
         elif self.prefix and not (path == self.prefix or path.startswith(self.prefix + "/")):
             target = self.prefix + path

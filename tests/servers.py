@@ -4,6 +4,7 @@ from __future__ import annotations
 import gc
 import os
 import resource
+import socket
 import subprocess
 import sys
 import threading
@@ -185,3 +186,68 @@ class ProxyServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=15)
+
+
+class RawUpstream:
+    """A real HTTP/1.1 upstream on loopback that answers every request with given bytes: each write
+    as its own chunk, `gap_s` apart (recorded streams, compressed or hostile ones). `close`: the
+    connection drops before the last chunk (a truncated stream). The requests it saw are kept."""
+
+    def __init__(self, writes: list[bytes], gap_s: float = 0.0, close: bool = False, headers: list[tuple[str, str]] | None = None,
+                 content_type: str = "text/event-stream", chunked: bool = True, status: int = 200) -> None:
+        self.writes, self.gap_s, self.close, self.chunked, self.status = writes, gap_s, close, chunked, status
+        self.headers = [("content-type", content_type), *(headers or [])]
+        self.requests: list[dict[str, str]] = []
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}/v1"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                part = conn.recv(65536)
+                if not part:
+                    return
+                data += part
+            head, _, rest = data.partition(b"\r\n\r\n")
+            lines = head.decode("latin-1").split("\r\n")
+            fields = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+            length = int(fields.get("content-length", "0"))
+            while len(rest) < length:
+                rest += conn.recv(65536)
+            self.requests.append({"request-line": lines[0], **fields})
+            framing = [("transfer-encoding", "chunked")] if self.chunked else [("content-length", str(sum(map(len, self.writes))))]
+            response = f"HTTP/1.1 {self.status} OK\r\n" + "".join(f"{k}: {v}\r\n" for k, v in self.headers + framing) + "connection: close\r\n\r\n"
+            try:
+                conn.sendall(response.encode())
+                for index, write in enumerate(self.writes):
+                    if self.gap_s:
+                        time.sleep(self.gap_s)
+                    conn.sendall(b"%x\r\n%s\r\n" % (len(write), write) if self.chunked else write)
+                    if self.close and index == len(self.writes) - 1:
+                        return
+                if self.chunked:
+                    conn.sendall(b"0\r\n\r\n")
+            except OSError:
+                return
+
+    def stop(self) -> None:
+        self.listener.close()
+
+
+@contextmanager
+def raw_upstream(writes: list[bytes], gap_s: float = 0.0, **kwargs: Any) -> Iterator[RawUpstream]:
+    upstream = RawUpstream(writes, gap_s, **kwargs)
+    try:
+        yield upstream
+    finally:
+        upstream.stop()

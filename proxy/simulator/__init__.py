@@ -1,4 +1,6 @@
-"""A built-in OpenAI-compatible upstream that behaves like an inference engine, on a known schedule.
+"""A built-in upstream that behaves like an inference engine, on a known schedule, and speaks every
+API the proxy measures, one module each as the proxy has them (`openai.py`: chat and completions,
+`responses.py`: the Responses API, `anthropic.py`: Messages); Azure OpenAI's paths are served as chat.
 
 TTFT = prompt tokens / prefill tokens-per-second (the seed's Prefill(L_in)); then tokens stream at
 the decode rate, token k at TTFT + k / decode_tps after the request arrived (anchored, so sleep
@@ -22,7 +24,11 @@ after `[DONE]`), `x-sim-logprobs: N` (N logprobs entries in a
 non-streaming body: parse-heavy JSON). `POST /v1/responses` (the Responses API, `responses.py`)
 follows the same schedule and headers (`max_output_tokens`; reasoning as `reasoning_text`, or
 `summary` with `x-sim-reasoning-field: summary`; `x-sim-delta-field: function_call` streams a call's
-arguments).
+arguments), and so does `POST /v1/messages` (`anthropic.py`). For any API:
+`x-sim-content-encoding: gzip | deflate | br | zstd` (each write compressed and flushed, as CDNs
+send it; `x-sim-corrupt-encoding: 1` sends bytes that are not what the header says) and
+`x-sim-endless-event-bytes: N` (a hostile stream: one data line that never ends, N more bytes every
+`x-sim-endless-every-ms`, default 20).
 """
 from __future__ import annotations
 
@@ -35,13 +41,26 @@ from typing import Any
 
 import orjson
 
-from . import responses
-from .apis.openai import prompt_parts
-from .tokens import Tokenizer
+from . import anthropic, openai, responses
+from .compression import encoded
+from .. import apis
+from ..tokens import Tokenizer
 
 # Each is one token in cl100k_base and o200k_base, so chunk text and token counts agree.
 WORDS = (" the", " of", " and", " to", " in", " is", " that", " for", " it", " with", " as", " on")
 FIXED_CREATED = 1_700_000_000
+
+
+
+
+async def _endless(send: Any, size: int, every: float) -> None:
+    """A hostile upstream: one SSE data line that never ends, `size` more bytes every `every` seconds."""
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+    await send({"type": "http.response.body", "body": b"data: ", "more_body": True})
+    piece = b"A" * size
+    while True:
+        await asyncio.sleep(every)
+        await send({"type": "http.response.body", "body": piece, "more_body": True})
 
 
 @dataclass
@@ -121,8 +140,8 @@ class Simulator:
             return await self._reply(send, _json_response(200, {"status": "ok"}))
         if path == "/v1/models":
             return await self._reply(send, _json_response(200, {"object": "list", "data": [{"id": "sim-7b", "object": "model", "created": FIXED_CREATED, "owned_by": "simulator"}]}))
-        kind = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/embeddings": "embeddings",
-                "/v1/responses": "responses"}.get(path)
+        route = apis.resolve(path)  # every path the proxy measures (Azure's deployment paths too), read as the proxy reads it
+        kind = "count_tokens" if path == "/v1/messages/count_tokens" else (route.endpoint if route.timed else None)
         if kind is None:
             return await self._reply(send, _json_response(404, {"error": {"message": f"no route {path}", "type": "invalid_request_error", "code": "not_found", "param": None}}))
         self.stats.requests += 1
@@ -138,8 +157,12 @@ class Simulator:
             extra = [(b"retry-after", headers["x-sim-retry-after"].encode())] if "x-sim-retry-after" in headers else []
             error = {"error": {"message": f"simulated error {status}", "type": "simulated_error", "code": str(status), "param": None}}
             return await self._reply(send, _json_response(status, error, extra))
+        send = encoded(send, headers)  # x-sim-content-encoding: the body compressed, read by read
         if kind == "embeddings":
             return await self._embeddings(send, request)
+        if kind == "count_tokens":
+            tokens = self.tokenizer.count_parts(anthropic.prompt_parts("messages", request))
+            return await self._reply(send, _json_response(200, {"input_tokens": tokens}))
         await self._generate(scope, receive, send, kind, request, headers, received)
 
     async def _reply(self, send: Any, response: tuple[int, list[tuple[bytes, bytes]], bytes]) -> None:
@@ -150,7 +173,7 @@ class Simulator:
     async def _embeddings(self, send: Any, request: dict[str, Any]) -> None:
         inputs = request.get("input")
         items = inputs if isinstance(inputs, list) and not all(isinstance(x, int) for x in inputs) else [inputs]
-        tokens = self.tokenizer.count_parts(prompt_parts("embeddings", request))
+        tokens = self.tokenizer.count_parts(openai.prompt_parts("embeddings", request))
         data = [{"object": "embedding", "index": i, "embedding": [round(0.01 * (i + j), 4) for j in range(8)]} for i in range(len(items))]
         await self._reply(send, _json_response(200, {"object": "list", "data": data, "model": request.get("model", ""), "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}))
 
@@ -196,7 +219,7 @@ class Simulator:
             usage["prompt_tokens_details"] = {"cached_tokens": cached}
         if hidden:
             usage["completion_tokens_details"] = {"reasoning_tokens": choices * hidden}
-        return Plan(chunks, usage, queue, queue + prefill, gap, choices)
+        return Plan(chunks, usage, queue, queue + prefill, gap, choices, choices * hidden, choices * (hidden + visible_reasoning))
 
     async def _generate(self, scope: dict[str, Any], receive: Any, send: Any, kind: str, request: dict[str, Any], headers: dict[str, str], received: float) -> None:
         cfg = self.config
@@ -204,22 +227,28 @@ class Simulator:
         if headers.get("x-sim-reject-stream-options") == "1" and "stream_options" in request:
             error = {"error": {"message": "Unrecognized request argument supplied: stream_options", "type": "invalid_request_error", "param": None, "code": None}}
             return await self._reply(send, _json_response(400, error))
-        plan = self._plan(self.tokenizer.count_parts(prompt_parts(kind, request)), request, headers)
+        parts = anthropic.prompt_parts(kind, request) if kind == "messages" else openai.prompt_parts(kind, request)
+        plan = self._plan(self.tokenizer.count_parts(parts), request, headers)
         digest = hashlib.sha1(orjson.dumps([model, request.get("messages"), request.get("prompt"), request.get("max_tokens")])).hexdigest()[:24]
-        ident = {"chat": "chatcmpl-", "responses": "resp_"}.get(kind, "cmpl-") + digest
+        ident = {"chat": "chatcmpl-", "responses": "resp_", "messages": "msg_"}.get(kind, "cmpl-") + digest
         created = FIXED_CREATED if cfg.deterministic else int(time.time())
         stream = request.get("stream") is True
         task = asyncio.current_task()
         gone: list[bool] = []
         watcher = asyncio.create_task(self._watch(receive, task, gone))  # sees the client leave, any time
         try:
-            if kind == "responses" and stream:
-                self.stats.last_send_times = []
-                self.stats.tokens_sent += await responses.stream(send, plan, received, ident, created, model, headers,
-                                                                 self.stats.last_send_times)
+            endless = int(headers.get("x-sim-endless-event-bytes", "0"))
+            if endless and stream:
+                await _endless(send, endless, float(headers.get("x-sim-endless-every-ms", "20")) / 1000)
+            elif kind in ("responses", "messages") and stream:
+                times = self.stats.last_send_times = []
+                if kind == "responses":
+                    self.stats.tokens_sent += await responses.stream(send, plan, received, ident, created, model, headers, times)
+                else:
+                    self.stats.tokens_sent += await anthropic.stream(send, plan, received, ident, model, headers, times)
                 self.stats.completed += 1
             elif stream:
-                await self._stream(send, kind, ident, created, model, plan, received, request, headers)
+                await openai.stream(self, send, kind, ident, created, model, plan, received, request, headers)
             else:
                 await self._complete(send, kind, ident, created, model, plan, received, headers)
         except asyncio.CancelledError:
@@ -234,16 +263,13 @@ class Simulator:
                         headers: dict[str, str]) -> None:
         await asyncio.sleep(max(0.0, received + plan.end - time.monotonic()))
         padding = " " * int(headers.get("x-sim-body-bytes", "0"))
-        texts = ["".join(w for c in plan.chunks if c[1] == i and c[2] == "content" for w in c[3]) + padding for i in range(plan.choices)]
-        choices: list[dict[str, Any]] = []
         if kind == "responses":
             obj = responses.body(plan, ident, created, model, headers)
-        elif kind == "chat":
-            choices = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": "length"} for i, text in enumerate(texts)]
-            obj = {"id": ident, "object": "chat.completion", "created": created, "model": model, "choices": choices, "usage": plan.usage}
+        elif kind == "messages":
+            obj = anthropic.body(plan, ident, model, headers)
         else:
-            choices = [{"index": i, "text": text, "logprobs": None, "finish_reason": "length"} for i, text in enumerate(texts)]
-            obj = {"id": ident, "object": "text_completion", "created": created, "model": model, "choices": choices, "usage": plan.usage}
+            obj = openai.body(kind, plan, ident, created, model, padding)
+        choices: list[dict[str, Any]] = obj.get("choices", [])
         extra: list[tuple[bytes, bytes]] = []
         if headers.get("x-sim-vllm-metrics") == "1":
             obj["metrics"] = plan.vllm_metrics()
@@ -281,80 +307,6 @@ class Simulator:
                     task.cancel()
                 return
 
-    async def _stream(self, send: Any, kind: str, ident: str, created: int, model: str, plan: "Plan", received: float,
-                      request: dict[str, Any], headers: dict[str, str]) -> None:
-        cfg = self.config
-        obj_name = "chat.completion.chunk" if kind == "chat" else "text_completion"
-        options = request.get("stream_options") or {}
-        include_usage = isinstance(options, dict) and bool(options.get("include_usage"))  # truthy, as vLLM accepts
-        continuous = include_usage and bool(options.get("continuous_usage_stats"))
-        null_usage = include_usage and cfg.usage_null_chunks and not continuous
-        reasoning_fields = {"both": ("reasoning_content", "reasoning")}.get(headers.get("x-sim-reasoning-field", ""), (headers.get("x-sim-reasoning-field") or "reasoning_content",))
-        content_field = headers.get("x-sim-delta-field", "content")
-
-        def event(choices: list[dict[str, Any]], usage_value: Any = None, with_usage: bool = False, metrics: Any = None) -> bytes:
-            obj: dict[str, Any] = {"id": ident, "object": obj_name, "created": created, "model": model, "choices": choices}
-            if with_usage or null_usage:
-                obj["usage"] = usage_value
-            elif continuous:
-                obj["usage"] = plan.usage
-            if metrics is not None:
-                obj["metrics"] = metrics
-            return b"data: " + orjson.dumps(obj) + b"\n\n"
-
-        def choice(index: int, content: str | None, finish: str | None, role: bool = False, field: str = "content") -> dict[str, Any]:
-            if kind != "chat":
-                return {"index": index, "text": content or "", "logprobs": None, "finish_reason": finish}
-            delta: dict[str, Any] = {}
-            if role:
-                delta = {"role": "assistant", "content": ""}
-            elif content is not None and field == "reasoning":
-                delta = {name: content for name in reasoning_fields}
-            elif content is not None and content_field == "function_call":
-                delta = {"function_call": {"arguments": content}}
-            elif content is not None:
-                delta = {content_field: content}
-            return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
-
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]})
-        if cfg.role_chunk and kind == "chat":
-            for index in range(plan.choices):
-                await send({"type": "http.response.body", "body": event([choice(index, None, None, role=True)]), "more_body": True})
-        drop_after = int(headers.get("x-sim-drop-after", "-1"))
-        stall_after = int(headers.get("x-sim-stall-after", "-1"))
-        malformed = headers.get("x-sim-malformed") == "1"
-        keepalive = float(headers.get("x-sim-keepalive-ms", "0")) / 1000
-        padding = " " * int(headers.get("x-sim-token-bytes", "0"))
-        sent = 0
-        times = self.stats.last_send_times = []
-        for at, index, field, words in plan.chunks:
-            if 0 <= drop_after <= sent:
-                return  # leave the response incomplete: uvicorn closes the connection mid-stream
-            if 0 <= stall_after <= sent:
-                await asyncio.Event().wait()  # silent forever (until the client leaves)
-            while keepalive and sent == 0 and received + at - time.monotonic() > keepalive:
-                await asyncio.sleep(keepalive)
-                await send({"type": "http.response.body", "body": b": keep-alive\n\n", "more_body": True})
-            await asyncio.sleep(max(0.0, received + at - time.monotonic()))
-            before = time.monotonic()
-            await send({"type": "http.response.body", "body": event([choice(index, "".join(words) + padding, None, field=field)]), "more_body": True})
-            self.stats.tokens_sent += len(words)
-            times.append((before, time.monotonic()))
-            if malformed and sent == 0:
-                await send({"type": "http.response.body", "body": b'data: {"choices": [{"delta": {"content": "unterminated\n\n', "more_body": True})
-            sent += 1
-        tail = b"".join(event([choice(index, None, "length")]) for index in range(plan.choices))
-        if include_usage:
-            metrics = plan.vllm_metrics() if headers.get("x-sim-vllm-metrics") == "1" else None
-            tail += event([], plan.usage, with_usage=True, metrics=metrics)
-        done_gap = float(headers.get("x-sim-done-gap-ms", "0")) / 1000
-        await send({"type": "http.response.body", "body": tail + b"data: [DONE]\n\n", "more_body": done_gap > 0})
-        if done_gap:  # the end of the response a little after [DONE], as llama.cpp's server sends it
-            await asyncio.sleep(done_gap)
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        self.stats.completed += 1
-
-
 @dataclass
 class Plan:
     chunks: list[tuple[float, int, str, list[str]]]
@@ -363,6 +315,8 @@ class Plan:
     first: float  # prefill done (before hidden reasoning)
     gap: float
     choices: int
+    hidden: int = 0  # reasoning tokens generated before the first visible one, never streamed
+    thinking_tokens: int = 0  # all reasoning tokens, hidden and visible
 
     @property
     def end(self) -> float:

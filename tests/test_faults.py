@@ -241,3 +241,40 @@ def test_no_open_proxy(sim, proxy):
     assert raw.status_code == 400 and raw.json()["error"]["code"] == "invalid_path"
     assert sim.stats()["requests"] == before  # /v1/models is not counted by the simulator; nothing else went out
     assert reply.lower().count(b"\r\ndate:") == 1  # the upstream's Date, not a second one of the proxy's
+
+
+def test_an_endless_event_is_relayed_unframed_and_stalls_no_other_stream(proxy_factory, sim):
+    """One SSE data line that never ends (256 KB more every 10 ms) beside a steady 20 ms stream: the
+    endless one reaches its client as it comes and is counted unmeasured (event_too_large) once past
+    --max-event-bytes; the steady one keeps its schedule (before: gaps up to 350 ms, memory unbounded)."""
+    import threading
+
+    proxy = proxy_factory(max_event_bytes=2 * 1024 * 1024)
+    received = [0]
+
+    def endless() -> None:
+        headers = {"x-sim-endless-event-bytes": str(256 * 1024), "x-sim-endless-every-ms": "10"}
+        body = {"model": "sim-7b", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        with httpx.stream("POST", f"{proxy.v1}/chat/completions", json=body, headers=headers, timeout=30) as response:
+            for part in response.iter_raw():
+                received[0] += len(part)
+                if received[0] > 12 * 1024 * 1024:
+                    return
+
+    thread = threading.Thread(target=endless)
+    thread.start()
+    client = openai.OpenAI(base_url=proxy.v1, api_key="k", max_retries=0)
+    arrivals = []
+    for chunk in client.chat.completions.create(model="sim-7b", messages=[{"role": "user", "content": "hi"}], max_tokens=40, stream=True,
+                                                extra_headers={"x-sim-ttft-ms": "20", "x-sim-decode-tps": "50"}):
+        if chunk.choices and chunk.choices[0].delta.content:
+            arrivals.append(time.monotonic())
+    thread.join(timeout=30)
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    assert len(arrivals) == 40 and max(gaps) < 0.100, max(gaps)  # a 20 ms schedule; generous for a busy 2-core machine
+    assert received[0] > 12 * 1024 * 1024  # the endless event's bytes reached its client
+    records = proxy.wait_records(2)
+    endless_record = next(r for r in records if r["unmeasured"])
+    assert endless_record["unmeasured"] == "event_too_large" and endless_record["content_chunks"] == 0
+    assert proxy.sample("llmproxy_unmeasured_requests_total", {"upstream": proxy.settings.upstream_label, "endpoint": "chat",
+                                                               "reason": "event_too_large"}) == 1

@@ -1,7 +1,7 @@
 """SSE framing: split reads, multi-event reads, [DONE], comments, line endings; bytes unaltered."""
 from hypothesis import given, strategies as st
 
-from proxy.sse import SSEDecoder
+from proxy.sse import EventTooLarge, SSEDecoder
 
 STREAM = (
     b'data: {"a":1}\n\n'
@@ -65,3 +65,42 @@ def test_any_chunking_gives_the_same_events(lines, newline, size):
     whole = [(e.raw, e.data) for e in decode([stream])]
     pieces = [stream[i : i + size] for i in range(0, len(stream), size)]
     assert [(e.raw, e.data) for e in decode(pieces)] == whole
+
+
+def test_an_event_past_the_limit_stops_framing_with_its_bytes_kept():
+    decoder = SSEDecoder(limit=1000)
+    assert [e.data for e in decoder.feed(b"data: small\n\ndata: ")] == [b"small"]
+    held = b"data: "
+    for _ in range(3):
+        piece = b"A" * 300
+        held += piece
+        decoder.feed(piece)
+    try:
+        decoder.feed(b"A" * 300)
+    except EventTooLarge as exc:
+        assert exc.pending == held + b"A" * 300  # nothing lost: the caller relays these and the rest as it comes
+    else:
+        raise AssertionError("an event past the limit must stop framing")
+    assert decoder.feed(b"data: again\n\n")[0].data == b"again"  # (a reset decoder frames afresh)
+
+
+def test_framing_searches_each_byte_once_however_many_reads_an_event_spans(monkeypatch):
+    """An event that grows by 1 KB a read for 2,000 reads: the line-end search covers each byte about
+    once (linear), not the whole unfinished event again on every read (quadratic: ~2 GB here)."""
+    import proxy.sse as sse
+
+    real, scanned = sse._LINE_END, [0]
+
+    class Counting:
+        def search(self, buffer, pos):  # noqa: ANN001
+            scanned[0] += len(buffer) - pos
+            return real.search(buffer, pos)
+
+    monkeypatch.setattr(sse, "_LINE_END", Counting())
+    decoder = SSEDecoder(limit=10 * 1024 * 1024)
+    decoder.feed(b"data: ")
+    for _ in range(2000):
+        decoder.feed(b"x" * 1024)
+    events = decoder.feed(b"\n\n")
+    assert len(events) == 1 and len(events[0].data) == 2000 * 1024
+    assert scanned[0] <= 2 * (2000 * 1024 + 8)

@@ -192,6 +192,41 @@ def test_the_responses_api_against_llama_cpp(engine, via):
     assert all(r["ttft_s"] < r["duration_s"] and r["decode_tokens_per_second"] > 0 for r in records)
 
 
+def test_the_anthropic_messages_api_against_llama_cpp(engine, via):
+    """The pinned llama.cpp server serves Anthropic's /v1/messages (so that Claude Code runs on a local
+    model). Its Messages stream carries no `timings`, so each request is checked against the engine's
+    own counters read around it: output tokens equal its tokens_predicted, and TTFT covers its
+    prompt processing time (prompt_seconds) plus a bounded remainder, as for chat."""
+    import anthropic
+
+    c = anthropic.Anthropic(base_url=via.url, api_key="sk-ant-test", max_retries=0)
+    rows = []
+    for stream in (True, True, True, False):
+        before, count = engine.metrics(), len(via.records())
+        prompt = f"# request {time.monotonic_ns()}\n" + LINE * 6
+        kwargs = {"model": "tiny-llama", "max_tokens": 12, "messages": [{"role": "user", "content": prompt}], "extra_body": {"temperature": 0}}
+        if stream:
+            with c.messages.stream(**kwargs) as s:
+                final = s.get_final_message()
+        else:
+            final = c.messages.create(**kwargs)
+        record = via.wait_records(count + 1)[-1]
+        after = engine.metrics()
+        predicted = after["llamacpp:tokens_predicted_total"] - before.get("llamacpp:tokens_predicted_total", 0.0)
+        prompt_s = after["llamacpp:prompt_seconds_total"] - before.get("llamacpp:prompt_seconds_total", 0.0)
+        assert record["api"] == "anthropic" and record["endpoint"] == "messages" and record["outcome"] == "ok"
+        assert record["completion_tokens"] == final.usage.output_tokens == predicted and record["token_source"] == "usage"
+        assert record["prompt_tokens"] == final.usage.input_tokens
+        if stream:
+            assert record["content_chunks"] >= 2 and prompt_s < record["ttft_s"]
+            assert record["ttft_s"] - prompt_s < max(0.030, 0.25 * record["ttft_s"])
+            rows.append((record["prompt_tokens"], record["ttft_s"], prompt_s, record["decode_tokens_per_second"], predicted))
+    print("\n| prompt tokens | proxy TTFT ms | engine prompt ms | proxy decode tok/s | output tokens = tokens_predicted |")
+    print("|---|---|---|---|---|")
+    for prompt, ttft, prefill, tps, predicted in rows:
+        print(f"| {prompt} | {ttft * 1e3:.2f} | {prefill * 1e3:.2f} | {tps:.1f} | {predicted:.0f} |")
+
+
 def test_explain_over_llama_cpp_agrees_with_its_timings(engine, tmp_path):
     """`explain` over real llama.cpp traffic (prompts of 1 to 16 lines, from its records database):
     its fitted prefill and decode rates agree with the engine's own `timings` of the same requests."""

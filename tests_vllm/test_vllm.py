@@ -217,3 +217,32 @@ def test_responses_api_timings_agree_with_vllm_metrics(stack):
     assert proxy_itl == pytest.approx(vllm_itl, rel=0.25)
     print(f"\nResponses API, {records[0]['prompt_tokens']} prompt tokens: proxy TTFT {proxy_ttft * 1e3:.2f} ms vs vLLM {vllm_ttft * 1e3:.2f} ms; "
           f"ITL proxy {proxy_itl * 1e3:.3f} ms vs vLLM {vllm_itl * 1e3:.3f} ms")
+
+
+def test_anthropic_messages_timings_agree_with_vllm_metrics(stack):
+    """vLLM's own Anthropic endpoint (vllm/entrypoints/anthropic, `POST /v1/messages`) through the
+    proxy with the official `anthropic` client: the same comparison as chat."""
+    import anthropic
+
+    engine, proxy = stack["engine"], stack["proxy"]
+    c = anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant-test", max_retries=0)
+
+    def message(tokens: int) -> Any:
+        prompt = f"# request {time.monotonic_ns()}\n" + LINE * 20
+        with c.messages.stream(model="tiny-llama", max_tokens=tokens, messages=[{"role": "user", "content": prompt}],
+                               extra_body={"temperature": 0}) as s:
+            return s.get_final_message()
+
+    message(4)  # warm-up
+    before_records, before = len(proxy.records()), engine.metrics()
+    finals = [message(24) for _ in range(10)]
+    records = proxy.wait_records(before_records + 10)[before_records:]
+    after = engine.metrics()
+    assert all(r["api"] == "anthropic" and r["endpoint"] == "messages" and r["outcome"] == "ok" for r in records)
+    assert [r["completion_tokens"] for r in records] == [f.usage.output_tokens for f in finals]
+    assert delta(before, after, "vllm:generation_tokens_total") == sum(r["completion_tokens"] for r in records)
+    n = delta(before, after, "vllm:time_to_first_token_seconds_count")
+    vllm_ttft = delta(before, after, "vllm:time_to_first_token_seconds_sum") / n
+    proxy_ttft = statistics.mean(r["ttft_s"] for r in records)
+    assert proxy_ttft >= vllm_ttft and proxy_ttft - vllm_ttft < max(0.030, 0.25 * vllm_ttft)
+    print(f"\nAnthropic Messages, {records[0]['prompt_tokens']} prompt tokens: proxy TTFT {proxy_ttft * 1e3:.2f} ms vs vLLM {vllm_ttft * 1e3:.2f} ms")

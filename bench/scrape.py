@@ -3,8 +3,9 @@
     .venv/bin/python bench/scrape.py                 # this checkout
     .venv/bin/python bench/scrape.py --src /tmp/old  # another checkout (git worktree), same harness
 
-A proxy (from `--src`) in front of the simulator receives one successful request per label set at
-the default cap: 100 models x chat/completions x streaming/not (400 requests, TTFT 0, 3 tokens
+A proxy (from `--src`) in front of the simulator receives one successful request per label set for
+100 models (the default --max-models) through every API: chat, completions, Responses, Anthropic
+Messages (streaming and not), embeddings and Azure's chat path (1,100 requests, TTFT 0, 3 tokens
 each), then /metrics is fetched `--scrapes` times. Series = sample lines of the text exposition.
 """
 from __future__ import annotations
@@ -24,18 +25,26 @@ FAST = {"x-sim-ttft-ms": "0", "x-sim-decode-tps": "10000"}
 
 
 def fill_to_the_cap(base: str, models: int = 100) -> int:
-    """One ok request per (model, endpoint, stream) label set; returns how many were sent."""
+    """One ok request per (model, endpoint, stream) label set, through every API the proxy measures:
+    chat, completions, the Responses API and Anthropic Messages, streaming and not, embeddings and
+    Azure OpenAI's chat path; returns how many were sent."""
     sent = 0
     with httpx.Client(base_url=base, timeout=30, headers=FAST) as client:
         for i in range(models):
             model = f"model-{i:03d}"
+            messages = [{"role": "user", "content": "hi"}]
+            requests: list[tuple[str, dict[str, object]]] = [("/v1/embeddings", {"model": model, "input": "hi"})]
             for stream in (True, False):
-                chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": stream}
-                completion = {"model": model, "prompt": "hi", "max_tokens": 3, "stream": stream}
-                for path, body in (("/v1/chat/completions", chat), ("/v1/completions", completion)):
-                    response = client.post(path, json=body)
-                    response.raise_for_status()
-                    sent += 1
+                requests += [("/v1/chat/completions", {"model": model, "messages": messages, "max_tokens": 3, "stream": stream}),
+                             ("/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 3, "stream": stream}),
+                             ("/v1/responses", {"model": model, "input": "hi", "max_output_tokens": 3, "stream": stream}),
+                             ("/v1/messages", {"model": model, "messages": messages, "max_tokens": 3, "stream": stream}),
+                             (f"/openai/deployments/{model}/chat/completions?api-version=2024-10-21",
+                              {"messages": messages, "max_tokens": 3, "stream": stream})]
+            for path, body in requests:
+                response = client.post(path, json=body)
+                response.raise_for_status()
+                sent += 1
     return sent
 
 

@@ -156,15 +156,25 @@ def build() -> dict:
     d = d.with_panel(ts("Shed load: 503 proxy_overloaded, by reason", "reqps", [
         q(f"sum by (reason) (rate(llmproxy_requests_rejected_total{{{UP}}}[{RI}]))", "rejected: {{reason}}", "A"),
         q(f"sum by (reason) (rate(llmproxy_accept_pauses_total[{RI}]))", "accept paused: {{reason}}", "B"),
-        q("sum(llmproxy_requests_in_flight) / sum(llmproxy_max_in_flight > 0)", "in flight / --max-in-flight (all replicas)", "C")], 0, 62,
+        q("sum(llmproxy_requests_in_flight) / sum(llmproxy_max_in_flight > 0)", "in flight / --max-in-flight (all replicas)", "C")], 0, 62, w=6,
         description="Requests the proxy refused itself (never the upstream's fault): max_in_flight is admission control "
                     "(--max-in-flight), descriptors/ports/memory are exhaustion while accepting or connecting. Accept pauses: "
                     "the listener waited 50 ms for a free descriptor while clients queued in the listen backlog."))
     d = d.with_panel(ts("Open descriptors vs the limit", "short", [
         q("sum by (instance) (llmproxy_open_fds)", "open {{instance}}", "A"),
-        q("sum by (instance) (llmproxy_max_fds)", "limit {{instance}}", "B")], 12, 62,
+        q("sum by (instance) (llmproxy_max_fds)", "limit {{instance}}", "B")], 6, 62, w=6,
         description="Each request holds a client and an upstream socket. The proxy raises its soft RLIMIT_NOFILE to the hard one at start; "
                     "near the limit, new requests get 503 proxy_overloaded (reason descriptors)."))
+    d = d.with_panel(ts("Requests by API", "reqps", [
+        q(f"sum by (api, endpoint) (rate(llmproxy_requests_total{{{SEL}}}[{RI}]))", "{{api}} {{endpoint}}", "A")], 12, 62, w=6,
+        description="Which wire API the applications call: openai (chat, completions, embeddings, responses), azure (the same "
+                    "operations on Azure OpenAI's paths), anthropic (messages), other (any other path, relayed untimed). Every "
+                    "latency panel above measures them with the same definitions; filter by endpoint (messages is Anthropic's)."))
+    d = d.with_panel(ts("Relayed but not measured, by reason", "reqps", [
+        q(f"sum by (reason) (rate(llmproxy_unmeasured_requests_total{{{UP}}}[{RI}]))", "{{reason}}", "A")], 18, 62, w=6,
+        description="Requests whose response went to the client whole but could not be read: event_too_large (a streamed event "
+                    "past --max-event-bytes: the rest of that stream was relayed unframed), undecodable (a content-encoding the "
+                    "proxy could not decode). Their latency split is missing, never wrong."))
 
     d = d.with_row(Row("Per model"))
     per_model = (

@@ -53,7 +53,7 @@ class ProxyApp:
     ) -> None:
         self.settings = settings
         multiprocess = multiprocess_enabled()
-        self.metrics = ProxyMetrics(registry or CollectorRegistry(), settings.max_models, multiprocess)
+        self.metrics = ProxyMetrics(registry or CollectorRegistry(), settings.max_models, multiprocess, settings.max_label_sets)
         self.offload = Offload()
         if tracer_provider is None:
             tracer_provider = build_tracer_provider(settings, self.metrics.telemetry_error, self.offload)
@@ -206,18 +206,18 @@ class ProxyApp:
             return Response(page, media_type="text/html; charset=utf-8")
 
         @app.get("/llmproxy/requests")
-        async def requests(limit: int = 100, model: str = "", upstream: str = "", outcome: str = "") -> Any:
+        async def requests(limit: int = 100, model: str = "", upstream: str = "", outcome: str = "", api: str = "") -> Any:
             """The most recent per-request records, newest last: every worker's, from the records
             database (this worker's in memory when records are off or unreadable)."""
             path = self.settings.records_path
             if path and telemetry.records_sink.store is not None:
                 await asyncio.to_thread(telemetry.records_sink.store.flush)
                 try:
-                    return await asyncio.to_thread(records.recent, path, limit, model, upstream, outcome)
+                    return await asyncio.to_thread(records.recent, path, limit, model, upstream, outcome, api)
                 except sqlite3.Error:
                     telemetry.count_error("records")
             rows = [r for r in telemetry.records if (not model or r["model"] == model) and (not upstream or r["upstream"] == upstream)
-                    and (not outcome or r["outcome"] == outcome)]
+                    and (not outcome or r["outcome"] == outcome) and (not api or r["api"] == api)]
             return rows[-limit:] if limit > 0 else []
 
         return app

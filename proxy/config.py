@@ -67,6 +67,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("tokenize", bool, True, "count prompt tokens with the tokenizer off the critical path (the tokenize phase)"),
     Option("default_encoding", str, "o200k_base", "tiktoken encoding for models tiktoken does not know"),
     Option("max_models", int, 100, "distinct model label values before later ones become `other`"),
+    Option("max_label_sets", int, 400, "distinct (model, upstream, endpoint, stream) label sets of the latency metrics before a new one's model becomes `other`: bounds one scrape (about 20,000 series, 3 MB) whatever mix of APIs and models"),
     Option("token_spans", str, "offsets", "per-chunk stamps on the decode span: offsets (arrays of µs offsets, tokens and choices per chunk: the default, near free), events (a span event per chunk), spans (a span per chunk) or off; costs in bench/RESULTS.md"),
     Option("otlp_endpoint", str, "", "OTLP/HTTP endpoint for spans (default: the OTEL_EXPORTER_OTLP_* variables)"),
     Option("service_name", str, "", "service.name of the spans (default: OTEL_SERVICE_NAME or llm-latency-proxy)"),
@@ -127,6 +128,7 @@ class Settings:
     tokenize: bool = True
     default_encoding: str = "o200k_base"
     max_models: int = 100
+    max_label_sets: int = 400
     max_event_bytes: int = 16 * 1024 * 1024
     token_spans: str = "offsets"
     otlp_endpoint: str = ""

@@ -15,6 +15,8 @@ Fits are Theil–Sen (the median of pairwise slopes): a few stalled requests do 
 """
 from __future__ import annotations
 
+import collections
+
 import json
 import random
 import sqlite3
@@ -91,6 +93,8 @@ def analyse_group(records: list[dict[str, Any]], hardware: dict[str, float] | No
     ok = [r for r in records if r["outcome"] == "ok"]
     streams = [r for r in ok if r.get("ttft_s") is not None]
     report: dict[str, Any] = {"requests": len(records), "ok": len(ok), "streams": len(streams)}
+    # Which APIs carried this model's traffic: one engine behind them, so one fit; the split shows who calls it.
+    report["apis"] = dict(collections.Counter(f"{r.get('api', 'openai')} {r.get('endpoint', 'chat')}" for r in records).most_common())
     xs, ys = [], []
     for r in streams:
         if r.get("prompt_tokens") is not None and "prefill" in r["phases_s"]:
@@ -184,6 +188,8 @@ def render(report: dict[str, Any]) -> str:
     out = []
     for name, g in report.items():
         out.append(f"== {name}: {g['requests']} requests, {g['ok']} ok, {g['streams']} streamed")
+        if g.get("apis"):
+            out.append("apis: " + ", ".join(f"{api} {n}" for api, n in g["apis"].items()))
         if "prefill" in g:
             p = g["prefill"]
             tps = f"{p['tokens_per_second']:,.0f} tok/s" if p["tokens_per_second"] else "n/a"

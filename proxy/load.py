@@ -27,6 +27,7 @@ class Mix:
     stream_share: float = 0.85
     chat_share: float = 0.8  # of the requests that are not Responses API ones (the rest: completions)
     responses_share: float = 0.15
+    messages_share: float = 0.10  # Anthropic's Messages API (Claude Code, the anthropic SDK)
     error_share: float = 0.03
     extra_headers: dict[str, str] = field(default_factory=dict)
     # Production shapes (the simulator's x-sim-* headers), one chosen per request: prompt caching
@@ -47,14 +48,16 @@ def _prompt(tokens: int) -> str:
 
 
 async def _one(client: httpx.AsyncClient, rng: random.Random, mix: Mix, result: LoadResult) -> None:
-    responses = rng.random() < mix.responses_share
-    chat = not responses and rng.random() < mix.chat_share
+    api = rng.random()
+    responses = api < mix.responses_share
+    messages = not responses and api < mix.responses_share + mix.messages_share
+    chat = not responses and not messages and rng.random() < mix.chat_share
     body: dict[str, object] = {"model": rng.choice(mix.models), "max_output_tokens" if responses else "max_tokens": rng.choice(mix.max_tokens),
                                "stream": rng.random() < mix.stream_share}
     text = _prompt(rng.choice(mix.prompt_tokens))
     if responses:
         body["input"] = text
-    elif chat:
+    elif chat or messages:
         body["messages"] = [{"role": "user", "content": text}]
     else:
         body["prompt"] = text
@@ -69,7 +72,7 @@ async def _one(client: httpx.AsyncClient, rng: random.Random, mix: Mix, result: 
         headers["x-sim-error-status"] = rng.choice(("500", "429", "503"))
     result.sent += 1
     try:
-        path = "/responses" if responses else "/chat/completions" if chat else "/completions"
+        path = "/responses" if responses else "/messages" if messages else "/chat/completions" if chat else "/completions"
         async with client.stream("POST", path, json=body, headers=headers) as r:
             async for _ in r.aiter_raw():
                 pass

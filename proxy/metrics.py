@@ -37,6 +37,8 @@ BASE = ("model", "upstream", "endpoint", "stream")
 COMPONENTS = ("metrics", "tracing", "tokenizer", "records", "timing", "otlp_export")
 # Why the proxy itself answered 503 proxy_overloaded (errors.EXHAUSTED holds the exhaustion ones).
 REJECT_REASONS = ("max_in_flight", "descriptors", "ports", "memory")
+# Why a relayed response was not (wholly) measured (timing.Unmeasured).
+UNMEASURED_REASONS = ("event_too_large", "undecodable")
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,7 @@ class MetricDef:
 
 METRICS: tuple[MetricDef, ...] = (
     MetricDef("llmproxy_requests", "counter", "Finished requests by wire API (openai, azure, anthropic, other), outcome (ok, upstream_error, client_disconnect, client_slow, timeout, proxy_error, overloaded) and HTTP status. The latency metrics below describe the ok ones.", BASE + ("api", "outcome", "code")),
-    MetricDef("llmproxy_unmeasured_requests", "counter", "Requests relayed whole but not (wholly) measured, by reason: event_too_large (a streamed event past --max-event-bytes), undecodable (a content-encoding the proxy could not decode).", ("upstream", "endpoint", "reason")),
+    MetricDef("llmproxy_unmeasured_requests", "counter", "Requests relayed whole but not (wholly) measured, by reason: event_too_large (a streamed event past --max-event-bytes), undecodable (a content-encoding the proxy could not decode).", ("upstream", "reason")),
     MetricDef("llmproxy_requests_in_flight", "gauge", "Requests being relayed now.", ("upstream",)),
     MetricDef("llmproxy_max_in_flight", "gauge", "The admission cap, --max-in-flight, summed over worker processes (0: no cap).", ("upstream",)),
     MetricDef("llmproxy_requests_rejected", "counter", "Requests the proxy answered 503 proxy_overloaded itself, by reason: max_in_flight (admission control), descriptors, ports, memory (the proxy ran out while connecting upstream or relaying). Never the upstream's fault.", ("upstream", "reason")),
@@ -109,11 +111,15 @@ def observe_many(child: Any, values: list[float], bounds: tuple[float, ...] = ()
 
 
 class ModelLabels:
-    """Caps the distinct `model` label values; later ones become `other`."""
+    """Caps the distinct `model` label values; later ones become `other`. And caps the label sets
+    (model, upstream, endpoint, stream) the per-request latency metrics get, whatever mix of APIs
+    and models made them: past `max_sets`, a new set's model is `other` (its counts and latencies
+    still go somewhere visible), so one scrape stays under its series budget with every API in use."""
 
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
+    def __init__(self, limit: int, max_sets: int = 400) -> None:
+        self.limit, self.max_sets = limit, max_sets
         self._seen: set[str] = set()
+        self._sets: set[tuple[str, ...]] = set()
 
     def __call__(self, model: str) -> str:
         if model in self._seen:
@@ -123,20 +129,29 @@ class ModelLabels:
         self._seen.add(model)
         return model
 
+    def label_set(self, model: str, upstream: str, endpoint: str, stream: str) -> tuple[str, str, str, str]:
+        key = (model, upstream, endpoint, stream)
+        if key in self._sets or model == "other":
+            return key
+        if len(self._sets) >= self.max_sets:
+            return ("other", upstream, endpoint, stream)
+        self._sets.add(key)
+        return key
+
 
 class ProxyMetrics:
     """Children are created on first use, per label set: a label set that never observed a value
     (an engine-only summary for an upstream that reports no engine timings, TTFT for a
     non-streaming request) exposes no series."""
 
-    def __init__(self, registry: CollectorRegistry, max_models: int = 100, multiprocess: bool = False) -> None:
+    def __init__(self, registry: CollectorRegistry, max_models: int = 100, multiprocess: bool = False, max_label_sets: int = 400) -> None:
         # `_created` would add a series beside every counter, histogram and summary: nothing we
         # ship reads it, and Prometheus does not need it. prometheus_client keeps that switch
         # process-wide; the proxy owns its process.
         disable_created_metrics()
         self.registry = registry
         self.multiprocess = multiprocess
-        self.models = ModelLabels(max_models)
+        self.models = ModelLabels(max_models, max_label_sets)
         self.m: dict[str, Any] = {}
         for d in METRICS:
             if d.kind == "counter":
@@ -172,9 +187,10 @@ class ProxyMetrics:
         model = self.models(t.model)
         stream = "true" if t.stream else "false"
         child = self.child
-        child("llmproxy_requests", model, upstream, t.endpoint, stream, t.api, t.outcome, str(t.status_code)).inc()
+        key = self.models.label_set(model, upstream, t.endpoint, stream)
+        child("llmproxy_requests", *key, t.api, t.outcome, str(t.status_code)).inc()
         if t.unmeasured:
-            child("llmproxy_unmeasured_requests", upstream, t.endpoint, t.unmeasured).inc()
+            child("llmproxy_unmeasured_requests", upstream, t.unmeasured).inc()
         if t.outcome == "overloaded":
             child("llmproxy_requests_rejected", upstream, t.error.rpartition(":")[2]).inc()
         for step, seconds in (b.connect.items() if b is not None else ()):
@@ -193,7 +209,6 @@ class ProxyMetrics:
                 child("llmproxy_tokens", model, upstream, kind, t.token_source).inc(count)
         if b is None or t.outcome != "ok":
             return
-        key = (model, upstream, t.endpoint, stream)
         ex = {"trace_id": trace_id} if trace_id and not self.multiprocess else None
         child("llmproxy_request_duration_seconds", *key).observe(b.e2e_s, ex)
         if b.ttft_s is not None:
@@ -221,6 +236,8 @@ class ProxyMetrics:
         dashboard and LLMProxySaturated see them before any overload."""
         for reason in REJECT_REASONS:
             self.child("llmproxy_requests_rejected", upstream, reason)
+        for reason in UNMEASURED_REASONS:
+            self.child("llmproxy_unmeasured_requests", upstream, reason)
         for reason in ("descriptors", "memory"):
             self.child("llmproxy_accept_pauses", reason)
         return lambda reason: self.child("llmproxy_accept_pauses", reason).inc()

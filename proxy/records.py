@@ -170,10 +170,10 @@ class RecordStore:
                 db.execute("DELETE FROM requests WHERE id <= (SELECT id FROM requests ORDER BY id DESC LIMIT 1 OFFSET ?)", (self.max_rows,))
 
 
-def recent(path: str, limit: int, model: str = "", upstream: str = "", outcome: str = "") -> list[dict[str, Any]]:
+def recent(path: str, limit: int, model: str = "", upstream: str = "", outcome: str = "", api: str = "") -> list[dict[str, Any]]:
     """The newest `limit` records (every worker's), oldest first: for /llmproxy/requests and /ui."""
     where, args = [], []
-    for column, value in (("model", model), ("upstream", upstream), ("outcome", outcome)):
+    for column, value in (("model", model), ("upstream", upstream), ("outcome", outcome), ("json_extract(data, '$.api')", api)):
         if value:
             where.append(f"{column} = ?")
             args.append(value)

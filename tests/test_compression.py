@@ -21,8 +21,7 @@ SCHEDULE = {"x-sim-ttft-ms": "100", "x-sim-decode-tps": "100"}
 
 
 def unmeasured(proxy, reason: str) -> float:
-    return proxy.sample("llmproxy_unmeasured_requests_total", {"upstream": proxy.settings.upstream_label, "endpoint": "chat",
-                                                                "reason": reason}) or 0.0
+    return proxy.sample("llmproxy_unmeasured_requests_total", {"upstream": proxy.settings.upstream_label, "reason": reason}) or 0.0
 
 
 @pytest.mark.parametrize("encoding", ["gzip", "deflate", "br", "zstd"])

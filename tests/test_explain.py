@@ -78,9 +78,10 @@ def test_real_traffic_through_the_simulator_at_two_prefill_rates(tmp_path):
     try:
         for model, rate in (("fast", 5000.0), ("slow", 1000.0)):
             sim.configure(prefill_tps=rate, decode_tps=200.0)
-            for tokens in (200, 800, 1600, 2400, 3200, 200, 800, 1600, 2400, 3200):
+            for k, tokens in enumerate((200, 800, 1600, 2400, 3200, 200, 800, 1600, 2400, 3200)):
                 body = {"model": model, "messages": [{"role": "user", "content": " the" * tokens}], "max_tokens": 10, "stream": True}
-                httpx.post(f"{proxy.v1}/chat/completions", json=body, timeout=30).raise_for_status()
+                api_path = "/messages" if model == "slow" and k % 2 else "/chat/completions"  # one engine, two APIs: one fit
+                httpx.post(f"{proxy.v1}{api_path}", json=body, timeout=30).raise_for_status()
         proxy.wait_records(20)
         report = explain(load([str(path)]))
         png = tmp_path / "fits.png"
@@ -92,6 +93,8 @@ def test_real_traffic_through_the_simulator_at_two_prefill_rates(tmp_path):
     upstream = proxy.settings.upstream_label
     assert report[f"fast @ {upstream}"]["prefill"]["tokens_per_second"] == pytest.approx(5000, rel=0.10)
     assert report[f"slow @ {upstream}"]["prefill"]["tokens_per_second"] == pytest.approx(1000, rel=0.10)
+    assert report[f"slow @ {upstream}"]["apis"] == {"openai chat": 5, "anthropic messages": 5}
+    assert "apis: openai chat 5, anthropic messages 5" in out.stdout
     assert out.returncode == 0 and "prefill: " in out.stdout and "dominates" in out.stdout, out.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     print("\n" + out.stdout)

@@ -276,5 +276,4 @@ def test_an_endless_event_is_relayed_unframed_and_stalls_no_other_stream(proxy_f
     records = proxy.wait_records(2)
     endless_record = next(r for r in records if r["unmeasured"])
     assert endless_record["unmeasured"] == "event_too_large" and endless_record["content_chunks"] == 0
-    assert proxy.sample("llmproxy_unmeasured_requests_total", {"upstream": proxy.settings.upstream_label, "endpoint": "chat",
-                                                               "reason": "event_too_large"}) == 1
+    assert proxy.sample("llmproxy_unmeasured_requests_total", {"upstream": proxy.settings.upstream_label, "reason": "event_too_large"}) == 1

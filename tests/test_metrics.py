@@ -53,6 +53,9 @@ def test_alert_thresholds_are_bucket_bounds():
 def test_model_labels_are_capped():
     cap = ModelLabels(2)
     assert [cap(m) for m in ("a", "b", "c", "a", "d")] == ["a", "b", "other", "a", "other"]
+    sets = ModelLabels(100, max_sets=3)
+    chosen = [sets.label_set(m, "u", e, "true")[0] for m, e in (("a", "chat"), ("a", "messages"), ("b", "chat"), ("b", "messages"), ("a", "chat"))]
+    assert chosen == ["a", "a", "b", "other", "a"]  # the fourth set is over the budget; known sets keep their model
 
 
 def test_openmetrics_exposition_carries_the_trace_id_exemplar():
@@ -91,12 +94,14 @@ def test_observe_many_equals_observing_one_by_one():
 
 @pytest.mark.e2e
 def test_series_at_the_model_cap(proxy):
-    """100 models x chat/completions x streaming/not through the real proxy: one scrape stays
-    under 20,000 series and 3 MB, with no _created series and no engine-only children."""
+    """100 models through every API the proxy measures (chat, completions, Responses, Anthropic
+    Messages, streaming and not; embeddings; Azure's chat path) on the real proxy: one scrape stays
+    under 20,000 series and 3 MB (the label-set budget folds what exceeds it into model="other"),
+    with no _created series and no engine-only children."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
     import scrape
 
-    assert scrape.fill_to_the_cap(proxy.url) == 400
+    assert scrape.fill_to_the_cap(proxy.url) == 1100
     body = httpx.get(f"{proxy.url}/metrics").content
     series = scrape.series(body)
     assert 15_000 < series <= 20_000, series  # the lower bound: the 400 label sets really are there
@@ -104,4 +109,9 @@ def test_series_at_the_model_cap(proxy):
     assert b"_created" not in body
     assert b"llmproxy_engine_" not in body.replace(b"# HELP llmproxy_engine_", b"").replace(b"# TYPE llmproxy_engine_", b"")
     requests = [line for line in body.splitlines() if line.startswith(b"llmproxy_requests_total{")]
-    assert len(requests) == 400 and all(b'outcome="ok"' in line for line in requests)
+    assert all(b'outcome="ok"' in line for line in requests)
+    named = {re.search(rb'model="([^"]+)"', line).group(1) for line in requests} - {b"other"}
+    assert 40 <= len(named) < 100 and any(b'model="other"' in line for line in requests)
+    endpoints = {re.search(rb'endpoint="([^"]+)"', line).group(1) for line in requests}
+    assert endpoints == {b"chat", b"completions", b"embeddings", b"responses", b"messages"}
+    assert sum(float(line.rsplit(b" ", 1)[1]) for line in requests) == 1100  # every request counted, named or not

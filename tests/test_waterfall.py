@@ -27,8 +27,9 @@ def test_the_waterfall_matches_the_records(proxy_factory, tmp_path):
             body = {"model": "sim-7b", "messages": [{"role": "user", "content": " the" * prompt}], "max_tokens": tokens, "stream": True}
             client.post("/chat/completions", json=body, headers=headers)
         client.post("/responses", json={"model": "sim-7b", "input": "hi", "max_output_tokens": 12, "stream": True})
-    records = proxy.wait_records(6)
-    assert len(records) == 6
+        client.post("/messages", json={"model": "claude-sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 9, "stream": True})
+    records = proxy.wait_records(7)
+    assert len(records) == 7
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
         try:
@@ -53,6 +54,14 @@ def test_the_waterfall_matches_the_records(proxy_factory, tmp_path):
             rows[streamed].click()
             page.wait_for_selector("#detail .tick")
             assert len(page.query_selector_all("#detail .tick")) == 40
+            page.select_option("#api", "anthropic")  # one API alone: the Anthropic request, its 9 ticks
+            page.wait_for_function("document.querySelectorAll('.row').length === 1")
+            assert "anthropic messages" in page.inner_text(".row .label")
+            page.query_selector(".row").click()
+            page.wait_for_function("document.querySelectorAll('#detail .tick').length === 9")
+            page.select_option("#api", "")
+            everything = len(proxy.records())  # (by now also the browser's own GET /favicon.ico: relayed like any path)
+            page.wait_for_function(f"document.querySelectorAll('.row').length === {everything}")
             ARTIFACT.parent.mkdir(exist_ok=True)
             page.screenshot(path=str(ARTIFACT), full_page=True)
         finally:

@@ -61,6 +61,7 @@ bench: $(STAMP) $(LITELLM_VENV)/.installed
 	LITELLM_PYTHON=$(LITELLM_VENV)/bin/python $(PY) bench/compare.py --out bench/results.json --plot bench/compare.png $(if $(BEFORE),--before $(BEFORE))
 	$(PY) bench/clients.py
 	$(PY) bench/scrape.py
+	$(PY) bench/framing.py $(if $(BEFORE),--before $(BEFORE))
 	$(PY) bench/finish.py
 	$(PY) bench/tracing_cost.py
 	$(PY) bench/overhead.py --pairs 300

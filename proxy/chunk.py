@@ -36,6 +36,15 @@ class Chunk:
         return "".join(text for _, text in self.texts)
 
 
+def json_object(data: bytes) -> dict[str, Any] | None:
+    """The JSON object an event's data holds, or None (not JSON, or not an object: a malformed chunk)."""
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
 def string(value: Any) -> str:
     return value if isinstance(value, str) else ""
 

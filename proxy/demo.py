@@ -143,35 +143,41 @@ def print_reasoning(rows: list[dict[str, Any]], output_tokens: int) -> None:
                   "calling it prefill.")
 
 
-API_PROMPT = 1000  # prompt tokens of the chat vs Responses API comparison
+API_PROMPT = 1000  # prompt tokens of the comparison of APIs
+APIS = (("openai", "chat"), ("openai", "responses"), ("anthropic", "messages"))
 
 
 def run_apis(proxy_url: str, repeats: int, output_tokens: int) -> None:
-    """The same request through chat completions and the Responses API, interleaved."""
+    """The same request through chat completions, the Responses API and Anthropic Messages, each
+    with its own official client, interleaved."""
+    import anthropic
     import openai
 
     client = openai.OpenAI(base_url=f"{proxy_url}/v1", api_key="demo-key-not-secret", max_retries=0)
-    prompt = prompt_of(API_PROMPT)
+    claude = anthropic.Anthropic(base_url=proxy_url, api_key="demo-key-not-secret", max_retries=0)
+    messages = [{"role": "user", "content": prompt_of(API_PROMPT)}]
     for _ in range(repeats):
-        for _chunk in client.chat.completions.create(model="sim-7b", messages=[{"role": "user", "content": prompt}],
-                                                     max_tokens=output_tokens, stream=True):
+        for _chunk in client.chat.completions.create(model="sim-7b", messages=messages, max_tokens=output_tokens, stream=True):  # type: ignore[arg-type]
             pass
-        for _event in client.responses.create(model="sim-7b", input=prompt, max_output_tokens=output_tokens, stream=True):
+        for _event in client.responses.create(model="sim-7b", input=messages[0]["content"], max_output_tokens=output_tokens, stream=True):
             pass
+        with claude.messages.stream(model="sim-7b", messages=messages, max_tokens=output_tokens) as stream:  # type: ignore[arg-type]
+            stream.until_done()
 
 
 def print_apis(records: list[dict[str, Any]], output_tokens: int) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"Chat completions vs the Responses API: {API_PROMPT} prompt tokens, {output_tokens} output tokens (medians)")
-    for column in ("endpoint", "ttft", "prefill", "decode", "total", "decode tok/s", "prompt tok", "completion tok"):
+    table = Table(title=f"One request, three APIs (chat, Responses, Anthropic Messages), each by its own SDK: {API_PROMPT} prompt "
+                        f"tokens, {output_tokens} output tokens (medians)")
+    for column in ("api endpoint", "ttft", "prefill", "decode", "total", "decode tok/s", "prompt tok", "completion tok"):
         table.add_column(column, justify="right")
     ms = lambda s: f"{s * 1000:.2f} ms" if s < 1 else f"{s:.3f} s"  # noqa: E731
-    for endpoint in ("chat", "responses"):
-        group = [r for r in records if r["endpoint"] == endpoint]
+    for api, endpoint in APIS:
+        group = [r for r in records if r["api"] == api and r["endpoint"] == endpoint]
         med = lambda f: statistics.median(f(r) for r in group)  # noqa: E731
-        table.add_row(endpoint, ms(med(lambda r: r["ttft_s"])), ms(med(lambda r: r["phases_s"]["prefill"])),
+        table.add_row(f"{api} {endpoint}", ms(med(lambda r: r["ttft_s"])), ms(med(lambda r: r["phases_s"]["prefill"])),
                       ms(med(lambda r: r["phases_s"]["decode"])), ms(med(lambda r: r["duration_s"])),
                       f"{med(lambda r: r['decode_tokens_per_second'] or 0.0):.1f}", str(group[0]["prompt_tokens"]), str(group[0]["completion_tokens"]))
     Console(width=max(Console().width, 150)).print(table)
@@ -226,7 +232,7 @@ def run_demo(repeats: int = 3, output_tokens: int = 100) -> int:
         run_cases(proxy_url, repeats, output_tokens)
         run_reasoning(proxy_url, repeats, output_tokens)
         run_apis(proxy_url, repeats, output_tokens)
-        total = (len(CASES) + len(REASONING) + 2) * repeats
+        total = (len(CASES) + len(REASONING) + len(APIS)) * repeats
         records = httpx.get(f"{proxy_url}/llmproxy/requests", params={"limit": total}).json()
     cases, reasoning = len(CASES) * repeats, len(REASONING) * repeats
     print_table(summarise(records[:cases], repeats, output_tokens))

@@ -2,8 +2,8 @@
 
 API-agnostic: the request path resolves to a route of one dialect (`proxy/apis/`), which reads
 the request and says what each event means. The loop in `_stream` timestamps each upstream read,
-forwards it untouched, then frames a copy (decoded first when the upstream compressed it) to note
-content chunks. It builds no metric, span or log: `Telemetry.finish` does that once, from the
+forwards it untouched, then hands a copy to the response's `Reader` (reader.py: decode, frame,
+note content chunks). It builds no metric, span or log: `Telemetry.finish` does that once, from the
 request's context, in `run`'s one `finally`. Only when the proxy injected usage (or strips engine
 fields) does it forward per SSE event, to drop what the client did not ask for; it then asks the
 upstream for identity encoding, and if the upstream compresses anyway, the client gets the
@@ -20,13 +20,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 from starlette.types import Receive, Scope, Send
 
 from . import apis
-from .chunk import Chunk, without_engine_fields
+from .chunk import without_engine_fields
 from .compression import DecodeError, Decoder
 from .config import Settings
 from .engine import from_llamacpp, from_tgi, from_vllm
-from .errors import ModelNotRouted, ProxyError, ProxyOverloaded, RemoteProtocolError, TransportError, UpstreamTimeout, map_transport_error
+from .errors import ModelNotRouted, ProxyError, ProxyOverloaded, TransportError, UpstreamTimeout, map_transport_error
+from .reader import Reader
 from .request import ClientGone, check_request, filter_headers, header, read_body
-from .sse import Event, EventTooLarge, SSEDecoder
+from .sse import SSEDecoder
 from .telemetry import RequestContext
 from .timing import RequestTiming, now_ns
 
@@ -70,12 +71,10 @@ class Exchange:
         self.client_gone = False
         self.started = False  # http.response.start went to the client
         self.sending = False  # blocked handing bytes to the client (a slow reader)
-        self.done = False  # `data: [DONE]` went by: a client leaving now has had everything
+        self.reader: Reader | None = None  # what the response's bytes meant (made when its headers arrive)
         self.response: Connection | None = None
         self.upstream: Upstream | None = None  # chosen by model once the body is parsed
         self.route = apis.OTHER  # what the path means: its API (dialect) and endpoint
-        self.inflate: Decoder | None = None  # the streamed body's content-encoding, decoded for framing
-        self.decoder: SSEDecoder | None = None  # the stream's framer (None: not framed, or no longer)
         self.json_body: list[bytes] | None = None
         self.body_encoding = b"identity"
         self.injected = False  # we asked for include_usage: drop the usage chunk, strip usage:null
@@ -131,7 +130,7 @@ class Exchange:
             if message["type"] == "http.disconnect":
                 # The openai client may close the connection once it read [DONE], before the
                 # upstream's end of stream is relayed: that request finished normally.
-                if self.relaying and not self.done:
+                if self.relaying and not (self.reader is not None and self.reader.done):
                     self.client_gone = True
                     task.cancel()
                 return
@@ -264,13 +263,17 @@ class Exchange:
         self.rewrite = is_sse and (self.injected or self.strip)
         if json_ok:
             self.json_body, self.body_encoding = [], encoding
+        inflate = None
         if timed and compressed:
             try:
-                self.inflate = Decoder(encoding, settings.max_event_bytes)
+                inflate = Decoder(encoding, settings.max_event_bytes)
             except DecodeError:
                 t.unmeasured, timed, self.rewrite = "undecodable", False, False
-        if self.rewrite and self.inflate is not None:  # asked for identity and got it compressed: the client gets it decoded
+        if self.rewrite and inflate is not None:  # asked for identity and got it compressed: the client gets it decoded
             out_headers = [(k, v) for k, v in out_headers if k.lower() != b"content-encoding"]
+        admission = self.app.admission
+        self.reader = Reader(self.route.dialect, self.ctx, lambda: admission.in_flight, SSEDecoder(settings.max_event_bytes) if timed else None,
+                             inflate, self.injected, self.strip)
         if is_sse:
             out_headers.append((b"x-accel-buffering", b"no"))
         elif self.strip:
@@ -280,38 +283,33 @@ class Exchange:
         if length is not None and not self.rewrite:
             out_headers.append((b"content-length", length))
         await self._start(response.status, out_headers)
-        await self._stream(response, SSEDecoder(settings.max_event_bytes) if timed else None, silence)
+        await self._stream(response, self.reader, silence)
 
     async def _start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.started = True
         await self.send({"type": "http.response.start", "status": status, "headers": headers})
 
-    async def _stream(self, response: Connection, decoder: SSEDecoder | None, silence: asyncio.Timeout | None) -> None:
+    async def _stream(self, response: Connection, reader: Reader | None, silence: asyncio.Timeout | None) -> None:
         """The hot loop: timestamp, forward, then note what the bytes meant."""
         t, send, rewrite, json_body = self.t, self.send, self.rewrite, self.json_body
         upstream = self.upstream
         assert upstream is not None  # (a response is only streamed from the upstream the router chose)
         loop, idle = asyncio.get_running_loop(), upstream.read_timeout
-        kept, decoding, read, inflate = 0, bool(t.content_ns), response.read, self.inflate
-        self.decoder = decoder
+        kept, decoding, read = 0, bool(t.content_ns), response.read
+        framed = reader is not None and reader.decoder is not None
         while chunk := await read():
             now = now_ns()
             if decoding and silence is not None:  # after the first token, the (shorter) inter-chunk limit
                 silence.reschedule(loop.time() + idle)
             self.sending = True
             if rewrite:
-                out = self._rewrite(chunk, now)
+                out = reader.rewrite(chunk, now)  # type: ignore[union-attr]
                 if out:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
             else:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                if decoder is not None:
-                    try:
-                        for event in decoder.feed(chunk if inflate is None else inflate.feed(chunk)):
-                            self._note(event.data, now)
-                    except (DecodeError, EventTooLarge) as exc:
-                        self._unframed(exc)
-                        decoder = None
+                if framed:
+                    reader.feed(chunk, now)  # type: ignore[union-attr]
                 elif json_body is not None and kept < NON_STREAM_BODY_LIMIT:
                     json_body.append(chunk)
                     kept += len(chunk)
@@ -321,81 +319,12 @@ class Exchange:
                 silence.reschedule(loop.time() + idle)
         t.upstream_end_ns = now = now_ns()
         self.sending = True  # the upstream is done: a timeout from here on is the client's
-        decoder = self.decoder
-        if decoder is not None:
-            for event in decoder.flush():
-                if not rewrite:
-                    self._note(event.data, now)
-                elif out := self._rewritten(event, now):
-                    await send({"type": "http.response.body", "body": out, "more_body": True})
+        if reader is not None and (out := reader.flush(now, rewrite)):
+            await send({"type": "http.response.body", "body": out, "more_body": True})
         # Stamped as the last write is handed over: on a busy machine the kernel may run the woken
         # client first, and that wait is not the proxy's own time.
         t.response_end_ns = now_ns()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-    def _unframed(self, exc: Exception) -> None:
-        """Framing stops (undecodable bytes, an event past the limit): the rest is relayed, unmeasured."""
-        self.t.unmeasured = "event_too_large" if isinstance(exc, EventTooLarge) else "undecodable"
-        self.decoder = None
-        log.warning("stream no longer measured (%s): %s", self.t.unmeasured, exc)
-
-    def _rewrite(self, chunk: bytes, now: int) -> bytes:
-        """Rewrite mode: the bytes to forward for one read (decoded, if the upstream compressed)."""
-        decoder, inflate = self.decoder, self.inflate
-        if inflate is not None:
-            try:
-                chunk = inflate.feed(chunk)
-            except DecodeError as exc:  # the client was promised decoded bytes: nothing sensible remains to send
-                self._unframed(exc)
-                raise RemoteProtocolError("the upstream's compressed stream could not be decoded") from None
-        if decoder is None:
-            return chunk
-        try:
-            return b"".join([self._rewritten(event, now) for event in decoder.feed(chunk)])
-        except EventTooLarge as exc:
-            self._unframed(exc)
-            return exc.pending
-
-    def _note(self, data: bytes | None, now: int) -> Chunk | None:
-        """Record what an event means for timing; returns the parsed chunk (None: no data)."""
-        if data is None:
-            return None
-        chunk = self.route.dialect.event(data)
-        t = self.t
-        if chunk.texts and not t.content_ns:  # decode starts: how many requests share the engine now
-            t.in_flight_at_decode = self.app.admission.in_flight
-        for index, text in chunk.texts:
-            t.content_ns.append(now)
-            t.content_choice.append(index)
-            t.chunk_text.append(text)
-        if chunk.reasoning:
-            t.reasoning_streamed = True
-        if chunk.hidden:
-            t.hidden_reasoning_blocks += 1
-        if chunk.model and not t.response_model:
-            t.response_model = chunk.model
-        if chunk.usage is not None:  # merged: an API may report its counts over several events (Anthropic)
-            self.ctx.usage = {**self.ctx.usage, **chunk.usage} if self.ctx.usage else chunk.usage
-        if chunk.timings is not None:
-            t.engine = from_llamacpp(chunk.timings) or t.engine
-        if chunk.metrics is not None:
-            t.engine = from_vllm(chunk.metrics) or t.engine
-        if not chunk.valid:
-            t.malformed_chunks += 1
-        if chunk.failed:  # the stream itself reported an error (`response.failed`, an `error` event)
-            t.outcome, t.error = "upstream_error", f"stream_error:{chunk.failed}"
-        self.done = self.done or chunk.final
-        return chunk
-
-    def _rewritten(self, event: Event, now: int) -> bytes:
-        """Rewrite mode: the bytes to forward for one event (b"" drops it)."""
-        chunk = self._note(event.data, now)
-        if chunk is None:
-            return event.raw
-        raw = self.route.dialect.forwarded(chunk, event.raw) if self.injected else event.raw
-        if self.strip and raw and (chunk.timings is not None or chunk.metrics is not None) and event.data is not None:
-            raw = raw.replace(event.data, without_engine_fields(event.data), 1)
-        return raw
 
     async def _buffered(self, response: Connection, out_headers: list[tuple[bytes, bytes]]) -> None:
         """Non-streaming with --strip-engine-fields: the body is rewritten whole, then sent."""

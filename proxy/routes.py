@@ -14,6 +14,12 @@ The routing file (YAML):
         upstreams: [vllm-a, vllm-b]       # several: the one with fewest requests in flight
     default: vllm-a                       # optional: else an unknown model is a 404 model_not_found
 
+A route's `url` maps request paths exactly as `--upstream` does (`Upstream.target`): the client's
+path goes below the URL's path less a final `/v1`, so one upstream serves OpenAI's `/v1/…`,
+Anthropic's `/v1/messages`, Azure's `/openai/deployments/…` (give Azure's resource URL, an origin)
+and any other path alike. The model is what the request's API names (the body's `model`, else an
+Azure deployment in the path); a request that names none (`GET /api/tags`) goes to `default`.
+
 Exact names win over globs; globs are tried in file order. Without `--routes`, the one
 `--upstream` serves every model, as before. `reload` (SIGHUP) parses the whole file first: a
 broken file is refused with a clear message and the old routes keep serving. An upstream whose

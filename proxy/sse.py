@@ -27,11 +27,12 @@ class Event:
 
 
 class EventTooLarge(Exception):
-    """An event grew past the framing limit; `pending` holds its bytes so far (not yet framed)."""
+    """An event grew past the framing limit. `events`: those the same read completed before it;
+    `pending`: the big event's bytes so far, not framed (the caller relays them and the rest)."""
 
-    def __init__(self, pending: bytes, limit: int) -> None:
+    def __init__(self, events: list[Event], pending: bytes | bytearray, limit: int) -> None:
         super().__init__(f"an SSE event exceeded {limit} bytes")
-        self.pending = pending
+        self.events, self.pending = events, pending
 
 
 class SSEDecoder:
@@ -82,9 +83,8 @@ class SSEDecoder:
             pending += buffer[event_start:]
         self._scan, self._searched = pos - event_start, search - event_start
         if len(pending) > self.limit:
-            held = bytes(pending)
             self._reset()
-            raise EventTooLarge(held, self.limit)
+            raise EventTooLarge(events, pending, self.limit)  # (not copied: the decoder holds a new buffer now)
         return events
 
     def _field(self, line: bytes | bytearray) -> None:

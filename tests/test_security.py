@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -31,6 +32,13 @@ def run_traffic(base: str, key: str = CANARY_KEY) -> None:
             c.chat.completions.create(model="sim-7b", messages=messages, extra_headers={"x-sim-error-status": status})
     httpx.post(f"{base}/chat/completions", content=b"{broken " + CANARY_PROMPT.encode(),
                headers={"authorization": f"Bearer {key}", "x-api-key": key})
+    # Every API's own key header, on its own paths: Anthropic (x-api-key), Azure (api-key), a path no API owns.
+    origin = base.removesuffix("/v1")
+    anthropic.Anthropic(base_url=origin, api_key=key, max_retries=0).messages.create(
+        model="sim-7b", max_tokens=3, messages=messages, extra_headers={"x-api-key": key})  # type: ignore[arg-type]
+    openai.AzureOpenAI(azure_endpoint=origin, api_key=key, api_version="2024-10-21", max_retries=0).chat.completions.create(
+        model="sim-7b", messages=messages, max_tokens=2)
+    httpx.get(f"{origin}/api/tags?key={CANARY_PROMPT}", headers={"x-goog-api-key": key, "api-key": key})
 
 
 def test_no_credential_or_prompt_in_logs_metrics_spans_records_or_errors(sim, tmp_path):

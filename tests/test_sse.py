@@ -78,10 +78,14 @@ def test_an_event_past_the_limit_stops_framing_with_its_bytes_kept():
     try:
         decoder.feed(b"A" * 300)
     except EventTooLarge as exc:
-        assert exc.pending == held + b"A" * 300  # nothing lost: the caller relays these and the rest as it comes
+        assert exc.pending == held + b"A" * 300 and exc.events == []  # nothing lost: the caller relays these and the rest as it comes
     else:
         raise AssertionError("an event past the limit must stop framing")
     assert decoder.feed(b"data: again\n\n")[0].data == b"again"  # (a reset decoder frames afresh)
+    try:
+        SSEDecoder(limit=100).feed(b"data: one\n\ndata: " + b"B" * 200)
+    except EventTooLarge as exc:  # the events the same read completed first are kept
+        assert [e.data for e in exc.events] == [b"one"] and exc.pending == b"data: " + b"B" * 200
 
 
 def test_framing_searches_each_byte_once_however_many_reads_an_event_spans(monkeypatch):

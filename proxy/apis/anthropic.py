@@ -20,7 +20,7 @@ from typing import Any
 
 import orjson
 
-from ..chunk import BodyInfo, Chunk, count, string
+from ..chunk import BodyInfo, Chunk, count, json_object, string
 from ..tokens import REPLY_PRIMING, TOKENS_PER_MESSAGE, Parts, PromptParts
 from . import Dialect, Route
 
@@ -50,6 +50,7 @@ class Anthropic(Dialect):
         for message in parsed.get("messages") or []:
             if isinstance(message, dict):
                 parts.fixed += TOKENS_PER_MESSAGE
+                parts.value(message.get("role"))  # (counted as OpenAI's guide counts it: the same prompt, the same count)
                 _blocks(parts, message.get("content"))
         if isinstance(parsed.get("tools"), list) and parsed["tools"]:
             parts.texts.append(orjson.dumps(parsed["tools"]).decode())
@@ -57,12 +58,8 @@ class Anthropic(Dialect):
 
     def event(self, data: bytes) -> Chunk:
         chunk = Chunk()
-        try:
-            obj = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            chunk.valid = False
-            return chunk
-        if not isinstance(obj, dict):
+        obj = json_object(data)
+        if obj is None:
             chunk.valid = False
             return chunk
         kind = obj.get("type")

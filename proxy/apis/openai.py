@@ -24,7 +24,7 @@ from typing import Any
 
 import orjson
 
-from ..chunk import DONE, BodyInfo, Chunk, count, string, strip_usage_null
+from ..chunk import DONE, BodyInfo, Chunk, count, json_object, string, strip_usage_null
 from ..tokens import REPLY_PRIMING, TOKENS_PER_MESSAGE, TOKENS_PER_NAME, Parts, PromptParts
 from . import Dialect, Route
 
@@ -90,12 +90,8 @@ def parse_chunk(data: bytes) -> Chunk:
     if data == DONE:
         chunk.final = True
         return chunk
-    try:
-        obj = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        chunk.valid = False
-        return chunk
-    if not isinstance(obj, dict):
+    obj = json_object(data)
+    if obj is None:
         chunk.valid = False
         return chunk
     kind = obj.get("type")

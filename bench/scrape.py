@@ -56,11 +56,12 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--src", default=str(Path(__file__).resolve().parent.parent))
     parser.add_argument("--scrapes", type=int, default=7)
+    parser.add_argument("proxy_args", nargs="*", help="extra flags for the proxy, after --")
     args = parser.parse_args()
     sim_port, port = free_port(), free_port()
     sim = [sys.executable, "-m", "proxy", "simulate", "--port", str(sim_port)]
     with started([], f"http://127.0.0.1:{sim_port}/health", None, command=sim, quiet=True):
-        command = serve_command(args.src, "serve", "--upstream", f"http://127.0.0.1:{sim_port}/v1", "--port", str(port))
+        command = serve_command(args.src, "serve", "--upstream", f"http://127.0.0.1:{sim_port}/v1", "--port", str(port), *args.proxy_args)
         with started([], f"http://127.0.0.1:{port}/healthz", None, command=command, quiet=True):
             base = f"http://127.0.0.1:{port}"
             sent = fill_to_the_cap(base)

@@ -12,11 +12,13 @@ from typing import Any, NamedTuple
 
 import orjson
 
+from .engine import EngineTimings
+
 DONE = b"[DONE]"
 
 
 class Chunk:
-    __slots__ = ("texts", "reasoning", "usage", "model", "usage_only", "valid", "timings", "metrics", "failed", "final", "hidden")
+    __slots__ = ("texts", "reasoning", "usage", "model", "usage_only", "valid", "timings", "metrics", "failed", "final", "hidden", "engine")
 
     def __init__(self) -> None:
         self.texts: list[tuple[int, str]] = []  # (choice index, generated text), choices with content only
@@ -30,6 +32,7 @@ class Chunk:
         self.failed: str = ""  # the stream reported an error (Responses API `response.failed` / `error`): its code
         self.final: bool = False  # the API's end-of-stream event (`[DONE]`, `message_stop`): the client has everything
         self.hidden: bool = False  # a block of hidden reasoning began (Anthropic `redacted_thinking`): never streamed
+        self.engine: EngineTimings | None = None  # the engine's own timings, read by the dialect (Ollama's last object)
 
     @property
     def text(self) -> str:
@@ -130,3 +133,4 @@ class BodyInfo(NamedTuple):
     timings: Any = None
     metrics: Any = None
     undecodable: bool = False  # the body's content-encoding could not be decoded
+    engine: EngineTimings | None = None  # the engine's own timings, read by the dialect (Ollama)

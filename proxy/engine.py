@@ -10,16 +10,19 @@
 - TGI answers with headers `x-queue-time`, `x-inference-time`, `x-time-per-token` (ms),
   `x-prompt-tokens`, `x-generated-tokens`; it does not split inference into prefill and decode.
 
-With them the proxy splits its `prefill` phase into the engine's own `prefill` and the rest,
-`queue` (waiting for a slot, the server's HTTP handling and tokenization), and a non-streaming
-`server` phase into queue, prefill and decode (or queue and the rest, for TGI).
+- Ollama puts `load_duration`, `prompt_eval_duration`, `eval_duration` (ns) and the counts on its
+  last object (`done: true`) and on bodies.
+
+With them the proxy splits its `prefill` phase into the engine's own `prefill`, its model `load`
+(Ollama) and the rest, `queue` (waiting for a slot, the server's HTTP handling and tokenization),
+and a non-streaming `server` phase into queue, load, prefill and decode (or queue and the rest, for TGI).
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, Mapping
 
-EngineSource = Literal["llama.cpp", "vllm", "tgi"]
+EngineSource = Literal["llama.cpp", "vllm", "tgi", "ollama"]
 
 
 @dataclass(slots=True)
@@ -29,6 +32,7 @@ class EngineTimings:
     decode_s: float | None = None
     per_token_s: float | None = None
     queue_s: float | None = None  # the engine's own queue wait, when it reports one
+    load_s: float | None = None  # loading the model before the request could run (Ollama's load_duration)
     prompt_tokens: int | None = None
     predicted_tokens: int | None = None
     cached_tokens: int | None = None
@@ -77,6 +81,18 @@ def from_vllm(metrics: Any) -> EngineTimings | None:
                          per_token_s=_num(metrics, "mean_itl_ms", 1e-3), queue_s=_num(metrics, "queue_time_ms", 1e-3))
 
 
+def from_ollama(obj: Any) -> EngineTimings | None:
+    """Ollama's last object (`done: true`) or body: durations in ns, tokens counted."""
+    if not isinstance(obj, dict):
+        return None
+    prompt_s, decode_s = _num(obj, "prompt_eval_duration", 1e-9), _num(obj, "eval_duration", 1e-9)
+    if prompt_s is None and decode_s is None:
+        return None
+    predicted = _int(obj, "eval_count")
+    return EngineTimings("ollama", prompt_s=prompt_s, decode_s=decode_s, per_token_s=decode_s / predicted if decode_s is not None and predicted else None,
+                         load_s=_num(obj, "load_duration", 1e-9), prompt_tokens=_int(obj, "prompt_eval_count"), predicted_tokens=predicted)
+
+
 def from_tgi(headers: list[tuple[bytes, bytes]]) -> EngineTimings | None:
     """TGI's timing headers on a response, if it sent them."""
     found = {k.lower().decode("latin-1"): v for k, v in headers if k[:2].lower() == b"x-"}
@@ -100,14 +116,21 @@ def refine(phases: dict[str, float], engine: EngineTimings | None) -> dict[str, 
             prefill = out["prefill"] - min(engine.queue_s, out["prefill"])
         else:
             return phases
-        out["queue"], out["prefill"] = out["prefill"] - prefill, prefill
+        rest = out["prefill"] - prefill
+        load = min(engine.load_s or 0.0, rest)
+        out["queue"], out["prefill"] = rest - load, prefill
+        if load:
+            out["load"] = load
     elif "server" in out:
         server = out["server"]
         if engine.prompt_s is not None and engine.decode_s is not None:
             prefill = min(engine.prompt_s, server)
             decode = min(engine.decode_s, server - prefill)
+            load = min(engine.load_s or 0.0, server - prefill - decode)
             del out["server"]
-            out.update(queue=server - prefill - decode, prefill=prefill, decode=decode)
+            out.update(queue=server - prefill - decode - load, prefill=prefill, decode=decode)
+            if load:
+                out["load"] = load
         elif engine.queue_s is not None:  # TGI: queue, and inference as one
             queue = min(engine.queue_s, server)
             out.update(queue=queue, server=server - queue)

@@ -19,7 +19,8 @@ from .chunk import Chunk, without_engine_fields
 from .compression import DecodeError, Decoder
 from .engine import from_llamacpp, from_vllm
 from .errors import RemoteProtocolError
-from .sse import Event, EventTooLarge, SSEDecoder
+from .framing import Framer
+from .sse import Event, EventTooLarge
 
 if TYPE_CHECKING:
     from .apis import Dialect
@@ -31,7 +32,7 @@ log = logging.getLogger("llmproxy.relay")
 class Reader:
     __slots__ = ("dialect", "ctx", "t", "in_flight", "decoder", "inflate", "injected", "strip", "done")
 
-    def __init__(self, dialect: Dialect, ctx: RequestContext, in_flight: Callable[[], int], decoder: SSEDecoder | None,
+    def __init__(self, dialect: Dialect, ctx: RequestContext, in_flight: Callable[[], int], decoder: Framer | None,
                  inflate: Decoder | None, injected: bool, strip: bool) -> None:
         self.dialect, self.ctx, self.t, self.in_flight = dialect, ctx, ctx.timing, in_flight
         self.decoder, self.inflate = decoder, inflate  # decoder None: not framed (or no longer)
@@ -110,6 +111,8 @@ class Reader:
             t.engine = from_llamacpp(chunk.timings) or t.engine
         if chunk.metrics is not None:
             t.engine = from_vllm(chunk.metrics) or t.engine
+        if chunk.engine is not None:
+            t.engine = chunk.engine
         if not chunk.valid:
             t.malformed_chunks += 1
         if chunk.failed:  # the stream itself reported an error (`response.failed`, an `error` event)

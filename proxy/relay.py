@@ -27,7 +27,7 @@ from .engine import from_llamacpp, from_tgi, from_vllm
 from .errors import ModelNotRouted, ProxyError, ProxyOverloaded, TransportError, UpstreamTimeout, map_transport_error
 from .reader import Reader
 from .request import ClientGone, check_request, filter_headers, header, read_body
-from .sse import SSEDecoder
+from .framing import framer
 from .telemetry import RequestContext
 from .timing import RequestTiming, now_ns
 
@@ -137,7 +137,7 @@ class Exchange:
 
     async def _relay(self, body: bytes) -> None:
         t, app, ctx = self.t, self.app, self.ctx
-        route = self.route = apis.resolve(self.scope["path"])
+        route = self.route = apis.resolve(self.scope["path"], self.scope.get("query_string", b""))
         dialect = route.dialect
         t.api, t.endpoint = dialect.name, route.endpoint  # type: ignore[assignment]
         parsed, ctx.prompt_parts = await app.offload.request(route, self.scope["path"], body)
@@ -147,6 +147,8 @@ class Exchange:
             t.model = model or route.model or "unknown"
         elif route.model:
             t.model = route.model
+        if route.stream is not None:  # the path says (Gemini)
+            t.stream = route.stream
         upstream = app.router.pick(t.model)
         if upstream is None:
             raise ModelNotRouted(f"the model `{t.model}` is not routed by this proxy (see its routing file)")
@@ -173,7 +175,7 @@ class Exchange:
             self.json_body = None
             if info.undecodable:
                 t.unmeasured = "undecodable"
-            engine = from_llamacpp(info.timings) or from_vllm(info.metrics)
+            engine = info.engine or from_llamacpp(info.timings) or from_vllm(info.metrics)
             t.engine = engine or t.engine
         if t.stream and t.engine is not None and t.engine.predicted_tokens is not None and t.engine.source == "llama.cpp":
             upstream.reports_counts = True
@@ -183,7 +185,8 @@ class Exchange:
         upstream = self.upstream
         assert upstream is not None
         limit = upstream.first_token_timeout
-        url = upstream.target(self.scope["path"], self.scope.get("query_string", b""))
+        query = self.route.dialect.upstream_query(self.scope.get("query_string", b""), upstream.key is not None or bool(self.app.client_keys))
+        url = upstream.target(self.scope["path"], query)
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout_at(loop.time() + limit) as silence:
@@ -256,9 +259,11 @@ class Exchange:
         encoding = header(response.headers, b"content-encoding", b"identity").strip().lower()
         compressed = encoding not in (b"identity", b"")
         is_sse = content_type.startswith(b"text/event-stream")
+        # A stream: SSE, or what the route frames otherwise (Ollama's NDJSON, Gemini's JSON array).
+        framing = "sse" if is_sse else (self.route.framing if t.stream and self.route.framing != "sse" and response.status < 400 else "")
         # Untimed routes (a stored response's stream, GET /v1/responses/{id}?stream=true) are relayed, never read.
-        timed = is_sse and self.route.timed
-        json_ok = self.route.timed and not is_sse and response.status < 400 and (b"json" in content_type or not content_type)
+        timed = bool(framing) and self.route.timed
+        json_ok = self.route.timed and not framing and response.status < 400 and (b"json" in content_type or not content_type)
         self.strip = settings.strip_engine_fields and (is_sse or (json_ok and not compressed))
         self.rewrite = is_sse and (self.injected or self.strip)
         if json_ok:
@@ -272,9 +277,9 @@ class Exchange:
         if self.rewrite and inflate is not None:  # asked for identity and got it compressed: the client gets it decoded
             out_headers = [(k, v) for k, v in out_headers if k.lower() != b"content-encoding"]
         admission = self.app.admission
-        self.reader = Reader(self.route.dialect, self.ctx, lambda: admission.in_flight, SSEDecoder(settings.max_event_bytes) if timed else None,
+        self.reader = Reader(self.route.dialect, self.ctx, lambda: admission.in_flight, framer(framing, settings.max_event_bytes) if timed else None,
                              inflate, self.injected, self.strip)
-        if is_sse:
+        if framing:
             out_headers.append((b"x-accel-buffering", b"no"))
         elif self.strip:
             await self._buffered(response, out_headers)

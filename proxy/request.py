@@ -30,7 +30,7 @@ def header(headers: list[tuple[bytes, bytes]], name: bytes, default: Any) -> Any
 def check_request(scope: Scope, keys: tuple[str, ...]) -> None:
     """Proxy authentication and path sanity, before the body is read."""
     if keys:
-        token = client_key(scope["headers"])
+        token = client_key(scope["headers"]) or query_key(scope.get("query_string", b""))
         if not any(hmac.compare_digest(token, key) for key in keys):
             raise Unauthorized("missing or incorrect API key for the proxy")
     segments = scope["path"].split("/")
@@ -49,6 +49,15 @@ def client_key(headers: list[tuple[bytes, bytes]]) -> str:
         elif name in KEY_HEADERS:
             return value.strip().decode("latin-1")
     return ""
+
+
+def query_key(query: bytes) -> str:
+    """A key given as the `key` query parameter (Gemini's REST convention)."""
+    if b"key=" not in query:
+        return ""
+    from urllib.parse import parse_qsl
+
+    return next((v for k, v in parse_qsl(query.decode("latin-1")) if k == "key"), "")
 
 
 async def read_body(scope: Scope, receive: Receive, settings: Settings) -> bytes:

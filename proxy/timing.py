@@ -21,7 +21,8 @@ exactly once, when the request ends, whatever the ending. Definitions (the READM
   Non-streaming responses have no first chunk: their server time is the phase `server`.
   network, tokenize and reasoning are capped so that prefill is never negative and the sum stays
   exact. When the engine reports its own timings, `prefill` becomes the engine's prompt
-  processing time and the rest of it `queue`; `server` splits into queue, prefill and decode.
+  processing time, `load` its model load (Ollama) and the rest of it `queue`; `server` splits into
+  queue, load, prefill and decode.
 """
 from __future__ import annotations
 
@@ -35,12 +36,13 @@ now_ns = time.monotonic_ns
 
 NS = 1_000_000_000
 Outcome = Literal["ok", "upstream_error", "client_disconnect", "client_slow", "timeout", "proxy_error", "overloaded"]
-Endpoint = Literal["chat", "completions", "embeddings", "responses", "responses_other", "messages", "messages_other", "other"]
+Endpoint = Literal["chat", "completions", "embeddings", "responses", "responses_other", "messages", "messages_other", "generate_content",
+                   "gemini_other", "ollama_chat", "ollama_generate", "ollama_embed", "ollama_other", "other"]
 Unmeasured = Literal["", "event_too_large", "undecodable"]
-Phase = Literal["client", "proxy", "network", "tokenize", "queue", "reasoning", "prefill", "decode", "server"]
+Phase = Literal["client", "proxy", "network", "tokenize", "queue", "load", "reasoning", "prefill", "decode", "server"]
 TokenSource = Literal["usage", "engine", "tokenizer"]
 OUTCOMES: tuple[Outcome, ...] = ("ok", "upstream_error", "client_disconnect", "client_slow", "timeout", "proxy_error", "overloaded")
-PHASES: tuple[Phase, ...] = ("client", "proxy", "network", "tokenize", "queue", "reasoning", "prefill", "decode", "server")
+PHASES: tuple[Phase, ...] = ("client", "proxy", "network", "tokenize", "queue", "load", "reasoning", "prefill", "decode", "server")
 
 
 def _s(start_ns: int | None, end_ns: int | None) -> float | None:

@@ -29,7 +29,9 @@ if TYPE_CHECKING:
 # gen_ai.operation.name per endpoint. The Responses API is `chat` with `openai.api.type=responses`,
 # as the OpenAI semantic conventions map it (they define no `responses` operation).
 OPERATIONS = {"chat": "chat", "completions": "text_completion", "embeddings": "embeddings", "responses": "chat",
-              "responses_other": "proxy", "messages": "chat", "messages_other": "proxy", "other": "proxy"}
+              "responses_other": "proxy", "messages": "chat", "messages_other": "proxy", "generate_content": "generate_content",
+              "gemini_other": "proxy", "ollama_chat": "chat", "ollama_generate": "text_completion", "ollama_embed": "embeddings",
+              "ollama_other": "proxy", "other": "proxy"}
 API_TYPES = {"chat": "chat_completions", "responses": "responses"}
 _PROPAGATOR = TraceContextTextMapPropagator()
 _SCOPE = InstrumentationScope("llm-latency-proxy")

@@ -12,6 +12,8 @@ translate between APIs, so a dialect only reads. Adding an API: its module and o
 | `openai` | `/v1/chat/completions`, `/v1/completions`, `/v1/embeddings`, `/v1/responses[/…]` | chat, completions, embeddings, responses, responses_other |
 | `azure` | `/openai/deployments/{d}/…`, `/openai/v1/…`, `/openai/responses` | the same as openai (Azure OpenAI is chat) |
 | `anthropic` | `/v1/messages`, `/v1/messages/…` (count_tokens, batches) | messages, messages_other |
+| `gemini` | `/v1beta/models/{m}:generateContent`, `:streamGenerateContent` (also `/v1/`, Vertex AI's path) | generate_content, gemini_other |
+| `ollama` | `/api/chat`, `/api/generate`, `/api/embed`, `/api/…` | ollama_chat, ollama_generate, ollama_embed, ollama_other |
 
 Any other path is relayed untouched and untimed: api `other`, endpoint `other`.
 """
@@ -34,7 +36,9 @@ class Route:
     dialect: "Dialect"
     endpoint: str  # the `endpoint` label
     timed: bool = True  # False: relayed untouched, never timed as a generation (stored-object operations)
-    model: str = ""  # a model the path names (an Azure deployment), used when the body names none
+    model: str = ""  # a model the path names (an Azure deployment, a Gemini model), used when the body names none
+    stream: bool | None = None  # the path says whether it streams (Gemini); None: the body does
+    framing: str = "sse"  # how a stream is framed when it is not text/event-stream: "ndjson" (Ollama), "array" (Gemini)
 
 
 class Dialect:
@@ -46,9 +50,13 @@ class Dialect:
     key_prefix = b"Bearer "  # what precedes the key in that header
     injects_usage = False  # can ask the upstream for usage the client did not request (and strip it again)
 
-    def route(self, path: str) -> Route | None:
-        """This API's route for `path`, or None if the path is not this API's."""
+    def route(self, path: str, query: bytes) -> Route | None:
+        """This API's route for `path` (and query string), or None if the path is not this API's."""
         return None
+
+    def upstream_query(self, query: bytes, drop_key: bool) -> bytes:
+        """The query string to send upstream; `drop_key`: a key in it is the proxy's, or replaced by the upstream's."""
+        return query
 
     def model_and_stream(self, endpoint: str, parsed: dict[str, Any]) -> tuple[str, bool]:
         return str(parsed.get("model") or ""), parsed.get("stream") is True
@@ -79,19 +87,21 @@ class Passthrough(Dialect):
 
 from .anthropic import Anthropic  # noqa: E402  (the dialects subclass Dialect, defined above)
 from .azure import Azure  # noqa: E402
+from .gemini import Gemini  # noqa: E402
+from .ollama import Ollama  # noqa: E402
 from .openai import OpenAI  # noqa: E402
 
 PASSTHROUGH = Passthrough()
 # The one table: the first dialect that claims a path serves it.
-DIALECTS: tuple[Dialect, ...] = (OpenAI(), Anthropic(), Azure())
+DIALECTS: tuple[Dialect, ...] = (OpenAI(), Anthropic(), Azure(), Gemini(), Ollama())
 BY_NAME: dict[str, Dialect] = {d.name: d for d in (*DIALECTS, PASSTHROUGH)}
 API_NAMES = tuple(BY_NAME)
 OTHER = Route(PASSTHROUGH, "other", timed=False)
 
 
-def resolve(path: str) -> Route:
+def resolve(path: str, query: bytes = b"") -> Route:
     for dialect in DIALECTS:
-        route = dialect.route(path)
+        route = dialect.route(path, query)
         if route is not None:
             return route
     return OTHER

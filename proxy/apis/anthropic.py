@@ -33,7 +33,7 @@ class Anthropic(Dialect):
     key_headers = (b"x-api-key", b"authorization")  # OAuth tokens (auth_token) come as Authorization: Bearer
     key_prefix = b""
 
-    def route(self, path: str) -> Route | None:
+    def route(self, path: str, query: bytes = b"") -> Route | None:
         if path == "/v1/messages":
             return Route(self, "messages")
         if path.startswith("/v1/messages/"):

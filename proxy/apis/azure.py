@@ -23,7 +23,7 @@ class Azure(OpenAI):
     key_headers = (b"api-key", b"authorization")  # Entra ID tokens come as Authorization: Bearer
     key_prefix = b""
 
-    def route(self, path: str) -> Route | None:
+    def route(self, path: str, query: bytes = b"") -> Route | None:
         if path.startswith("/openai/v1/"):
             return self.operation(path[len("/openai/v1"):])
         if path.startswith(DEPLOYMENTS):

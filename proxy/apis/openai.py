@@ -37,7 +37,7 @@ class OpenAI(Dialect):
     injects_usage = True
     prefix = "/v1"
 
-    def route(self, path: str) -> Route | None:
+    def route(self, path: str, query: bytes = b"") -> Route | None:
         if not path.startswith(self.prefix + "/"):
             return None
         return self.operation(path[len(self.prefix):])

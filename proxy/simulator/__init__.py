@@ -41,7 +41,7 @@ from typing import Any
 
 import orjson
 
-from . import anthropic, openai, responses
+from . import anthropic, gemini, ollama, openai, responses
 from .compression import encoded
 from .. import apis
 from ..tokens import Tokenizer
@@ -140,7 +140,10 @@ class Simulator:
             return await self._reply(send, _json_response(200, {"status": "ok"}))
         if path == "/v1/models":
             return await self._reply(send, _json_response(200, {"object": "list", "data": [{"id": "sim-7b", "object": "model", "created": FIXED_CREATED, "owned_by": "simulator"}]}))
-        route = apis.resolve(path)  # every path the proxy measures (Azure's deployment paths too), read as the proxy reads it
+        if path == "/api/tags":
+            return await self._reply(send, _json_response(200, ollama.TAGS))
+        query = scope.get("query_string", b"")
+        route = apis.resolve(path, query)  # every path the proxy measures (Azure's, Gemini's, Ollama's), read as the proxy reads it
         kind = "count_tokens" if path == "/v1/messages/count_tokens" else (route.endpoint if route.timed else None)
         if kind is None:
             return await self._reply(send, _json_response(404, {"error": {"message": f"no route {path}", "type": "invalid_request_error", "code": "not_found", "param": None}}))
@@ -160,6 +163,17 @@ class Simulator:
         send = encoded(send, headers)  # x-sim-content-encoding: the body compressed, read by read
         if kind == "embeddings":
             return await self._embeddings(send, request)
+        if kind == "ollama_embed":
+            tokens = self.tokenizer.count_parts(ollama.prompt_parts(kind, request))
+            return await self._reply(send, _json_response(200, ollama.embed(request, tokens, float(headers.get("x-sim-load-ms", "0")) / 1000)))
+        if route.model and not request.get("model"):  # (Gemini: the path names the model and whether it streams)
+            request["model"] = route.model
+        if route.stream is not None:
+            request["stream"] = route.stream
+        elif kind.startswith("ollama_") and "stream" not in request:
+            request["stream"] = True  # Ollama streams unless told not to
+        if kind == "generate_content":
+            headers["x-sim-framing"] = route.framing
         if kind == "count_tokens":
             tokens = self.tokenizer.count_parts(anthropic.prompt_parts("messages", request))
             return await self._reply(send, _json_response(200, {"input_tokens": tokens}))
@@ -181,7 +195,8 @@ class Simulator:
         """When each chunk of each choice is ready, in seconds after arrival."""
         cfg = self.config
         cached = min(prompt_tokens, int(headers.get("x-sim-cached-tokens", "0")))
-        queue = float(headers.get("x-sim-queue-ms", "0")) / 1000
+        load = float(headers.get("x-sim-load-ms", "0")) / 1000  # a cold model load (Ollama reports it), before prefill
+        queue = float(headers.get("x-sim-queue-ms", "0")) / 1000 + load
         if "x-sim-ttft-ms" in headers:
             prefill = float(headers["x-sim-ttft-ms"]) / 1000
         else:
@@ -189,7 +204,8 @@ class Simulator:
         gap = 1.0 / float(headers.get("x-sim-decode-tps", cfg.decode_tps))
         hidden = int(headers.get("x-sim-hidden-reasoning", "0"))
         visible_reasoning = int(headers.get("x-sim-visible-reasoning", "0"))
-        n = int(request.get("max_tokens") or request.get("max_completion_tokens") or request.get("max_output_tokens") or cfg.default_max_tokens)
+        limits = (request.get("generationConfig") or {}).get("maxOutputTokens") or (request.get("options") or {}).get("num_predict")
+        n = int(request.get("max_tokens") or request.get("max_completion_tokens") or request.get("max_output_tokens") or limits or cfg.default_max_tokens)
         choices = max(1, int(request.get("n") or 1))
         pattern = [max(1, int(x)) for x in headers.get("x-sim-chunk-pattern", str(headers.get("x-sim-chunk-tokens", cfg.chunk_tokens))).split(",")]
         start = queue + prefill + hidden * gap  # hidden reasoning: generated, never streamed
@@ -219,7 +235,7 @@ class Simulator:
             usage["prompt_tokens_details"] = {"cached_tokens": cached}
         if hidden:
             usage["completion_tokens_details"] = {"reasoning_tokens": choices * hidden}
-        return Plan(chunks, usage, queue, queue + prefill, gap, choices, choices * hidden, choices * (hidden + visible_reasoning))
+        return Plan(chunks, usage, queue, queue + prefill, gap, choices, choices * hidden, choices * (hidden + visible_reasoning), load)
 
     async def _generate(self, scope: dict[str, Any], receive: Any, send: Any, kind: str, request: dict[str, Any], headers: dict[str, str], received: float) -> None:
         cfg = self.config
@@ -227,7 +243,8 @@ class Simulator:
         if headers.get("x-sim-reject-stream-options") == "1" and "stream_options" in request:
             error = {"error": {"message": "Unrecognized request argument supplied: stream_options", "type": "invalid_request_error", "param": None, "code": None}}
             return await self._reply(send, _json_response(400, error))
-        parts = anthropic.prompt_parts(kind, request) if kind == "messages" else openai.prompt_parts(kind, request)
+        api = {"messages": anthropic, "generate_content": gemini, "ollama_chat": ollama, "ollama_generate": ollama}.get(kind, openai)
+        parts = api.prompt_parts(kind, request)
         plan = self._plan(self.tokenizer.count_parts(parts), request, headers)
         digest = hashlib.sha1(orjson.dumps([model, request.get("messages"), request.get("prompt"), request.get("max_tokens")])).hexdigest()[:24]
         ident = {"chat": "chatcmpl-", "responses": "resp_", "messages": "msg_"}.get(kind, "cmpl-") + digest
@@ -240,12 +257,16 @@ class Simulator:
             endless = int(headers.get("x-sim-endless-event-bytes", "0"))
             if endless and stream:
                 await _endless(send, endless, float(headers.get("x-sim-endless-every-ms", "20")) / 1000)
-            elif kind in ("responses", "messages") and stream:
+            elif kind in ("responses", "messages", "generate_content", "ollama_chat", "ollama_generate") and stream:
                 times = self.stats.last_send_times = []
                 if kind == "responses":
                     self.stats.tokens_sent += await responses.stream(send, plan, received, ident, created, model, headers, times)
-                else:
+                elif kind == "messages":
                     self.stats.tokens_sent += await anthropic.stream(send, plan, received, ident, model, headers, times)
+                elif kind == "generate_content":
+                    self.stats.tokens_sent += await gemini.stream(send, plan, received, ident, model, headers, headers["x-sim-framing"] == "sse", times)
+                else:
+                    self.stats.tokens_sent += await ollama.stream(send, kind, plan, received, model, headers, times)
                 self.stats.completed += 1
             elif stream:
                 await openai.stream(self, send, kind, ident, created, model, plan, received, request, headers)
@@ -267,6 +288,10 @@ class Simulator:
             obj = responses.body(plan, ident, created, model, headers)
         elif kind == "messages":
             obj = anthropic.body(plan, ident, model, headers)
+        elif kind == "generate_content":
+            obj = gemini.body(plan, ident, model)
+        elif kind in ("ollama_chat", "ollama_generate"):
+            obj = ollama.body(kind, plan, model)
         else:
             obj = openai.body(kind, plan, ident, created, model, padding)
         choices: list[dict[str, Any]] = obj.get("choices", [])
@@ -317,6 +342,7 @@ class Plan:
     choices: int
     hidden: int = 0  # reasoning tokens generated before the first visible one, never streamed
     thinking_tokens: int = 0  # all reasoning tokens, hidden and visible
+    load: float = 0.0  # seconds loading the model (part of queue), before prefill
 
     @property
     def end(self) -> float:

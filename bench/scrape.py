@@ -5,8 +5,8 @@
 
 A proxy (from `--src`) in front of the simulator receives one successful request per label set for
 100 models (the default --max-models) through every API: chat, completions, Responses, Anthropic
-Messages (streaming and not), embeddings and Azure's chat path (1,100 requests, TTFT 0, 3 tokens
-each), then /metrics is fetched `--scrapes` times. Series = sample lines of the text exposition.
+Messages, Gemini and Ollama's chat (streaming and not), embeddings and Azure's chat path (1,500
+requests, TTFT 0, 3 tokens each), then /metrics is fetched `--scrapes` times. Series = sample lines of the text exposition.
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ FAST = {"x-sim-ttft-ms": "0", "x-sim-decode-tps": "10000"}
 
 def fill_to_the_cap(base: str, models: int = 100) -> int:
     """One ok request per (model, endpoint, stream) label set, through every API the proxy measures:
-    chat, completions, the Responses API and Anthropic Messages, streaming and not, embeddings and
-    Azure OpenAI's chat path; returns how many were sent."""
+    chat, completions, the Responses API, Anthropic Messages, Gemini and Ollama's chat, streaming and
+    not, embeddings and Azure OpenAI's chat path; returns how many were sent."""
     sent = 0
     with httpx.Client(base_url=base, timeout=30, headers=FAST) as client:
         for i in range(models):
@@ -40,7 +40,10 @@ def fill_to_the_cap(base: str, models: int = 100) -> int:
                              ("/v1/responses", {"model": model, "input": "hi", "max_output_tokens": 3, "stream": stream}),
                              ("/v1/messages", {"model": model, "messages": messages, "max_tokens": 3, "stream": stream}),
                              (f"/openai/deployments/{model}/chat/completions?api-version=2024-10-21",
-                              {"messages": messages, "max_tokens": 3, "stream": stream})]
+                              {"messages": messages, "max_tokens": 3, "stream": stream}),
+                             (f"/v1beta/models/{model}:{'streamGenerateContent?alt=sse' if stream else 'generateContent'}",
+                              {"contents": "hi", "generationConfig": {"maxOutputTokens": 3}}),
+                             ("/api/chat", {"model": model, "messages": messages, "options": {"num_predict": 3}, "stream": stream})]
             for path, body in requests:
                 response = client.post(path, json=body)
                 response.raise_for_status()

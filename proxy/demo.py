@@ -144,17 +144,22 @@ def print_reasoning(rows: list[dict[str, Any]], output_tokens: int) -> None:
 
 
 API_PROMPT = 1000  # prompt tokens of the comparison of APIs
-APIS = (("openai", "chat"), ("openai", "responses"), ("anthropic", "messages"))
+APIS = (("openai", "chat"), ("openai", "responses"), ("anthropic", "messages"), ("gemini", "generate_content"), ("ollama", "ollama_chat"))
 
 
 def run_apis(proxy_url: str, repeats: int, output_tokens: int) -> None:
-    """The same request through chat completions, the Responses API and Anthropic Messages, each
-    with its own official client, interleaved."""
+    """The same request through chat completions, the Responses API, Anthropic Messages, Gemini and
+    Ollama, each with its own official client, interleaved."""
     import anthropic
+    import ollama
     import openai
+    from google import genai
+    from google.genai import types
 
     client = openai.OpenAI(base_url=f"{proxy_url}/v1", api_key="demo-key-not-secret", max_retries=0)
     claude = anthropic.Anthropic(base_url=proxy_url, api_key="demo-key-not-secret", max_retries=0)
+    gemini = genai.Client(api_key="demo-key-not-secret", http_options=types.HttpOptions(base_url=proxy_url))
+    local = ollama.Client(host=proxy_url)
     messages = [{"role": "user", "content": prompt_of(API_PROMPT)}]
     for _ in range(repeats):
         for _chunk in client.chat.completions.create(model="sim-7b", messages=messages, max_tokens=output_tokens, stream=True):  # type: ignore[arg-type]
@@ -163,14 +168,19 @@ def run_apis(proxy_url: str, repeats: int, output_tokens: int) -> None:
             pass
         with claude.messages.stream(model="sim-7b", messages=messages, max_tokens=output_tokens) as stream:  # type: ignore[arg-type]
             stream.until_done()
+        for _response in gemini.models.generate_content_stream(model="sim-7b", contents=messages[0]["content"],
+                                                               config=types.GenerateContentConfig(max_output_tokens=output_tokens)):
+            pass
+        for _part in local.chat(model="sim-7b", messages=messages, stream=True, options={"num_predict": output_tokens}):
+            pass
 
 
 def print_apis(records: list[dict[str, Any]], output_tokens: int) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"One request, three APIs (chat, Responses, Anthropic Messages), each by its own SDK: {API_PROMPT} prompt "
-                        f"tokens, {output_tokens} output tokens (medians)")
+    table = Table(title=f"One request, five APIs (chat, Responses, Anthropic Messages, Gemini, Ollama), each by its own SDK: "
+                        f"{API_PROMPT} prompt tokens, {output_tokens} output tokens (medians)")
     for column in ("api endpoint", "ttft", "prefill", "decode", "total", "decode tok/s", "prompt tok", "completion tok"):
         table.add_column(column, justify="right")
     ms = lambda s: f"{s * 1000:.2f} ms" if s < 1 else f"{s:.3f} s"  # noqa: E731

@@ -27,7 +27,7 @@ from typing import Any, Iterable
 
 import orjson
 
-PHASES = ("client", "network", "tokenize", "queue", "prefill", "reasoning", "decode", "server", "proxy")
+PHASES = ("client", "network", "tokenize", "queue", "load", "prefill", "reasoning", "decode", "server", "proxy")
 MAX_PAIRS_POINTS = 300  # points sampled for the pairwise slopes (45,000 pairs)
 
 
@@ -118,6 +118,9 @@ def analyse_group(records: list[dict[str, Any]], hardware: dict[str, float] | No
     queues = [r["phases_s"]["queue"] for r in streams if "queue" in r["phases_s"]]
     if queues:
         report["queue_s_median"] = statistics.median(queues)
+    loads = [r["phases_s"]["load"] for r in ok if r["phases_s"].get("load")]
+    if loads:  # a cold model load (Ollama's load_duration): the first thing to see on a laptop
+        report["load"] = {"requests": len(loads), "median_s": statistics.median(loads), "max_s": max(loads)}
     phases = {p: statistics.median(r["phases_s"].get(p, 0.0) for r in ok) for p in PHASES if any(p in r["phases_s"] for r in ok)}
     total = sum(phases.values())
     if total > 0:
@@ -200,6 +203,10 @@ def render(report: dict[str, Any]) -> str:
             out.append(f"decode: {d['tokens_per_second_at_1']:.1f} tok/s at batch 1 (ITL {ms(d['itl_at_1_s'])}){slope}")
         if "queue_s_median" in g:
             out.append(f"queue (engine-reported): median {ms(g['queue_s_median'])}")
+        if "load" in g:
+            load = g["load"]
+            out.append(f"model load (engine-reported): {load['requests']} of {g['ok']} requests waited for it, median {ms(load['median_s'])}, "
+                       f"max {ms(load['max_s'])}")
         if "budget" in g:
             parts = ", ".join(f"{p} {ms(v['seconds'])} ({v['share']:.1%})" for p, v in g["budget"].items())
             out.append(f"median request: {parts}; {g['dominant']} dominates")

@@ -28,6 +28,8 @@ class Mix:
     chat_share: float = 0.8  # of the requests that are not Responses API ones (the rest: completions)
     responses_share: float = 0.15
     messages_share: float = 0.10  # Anthropic's Messages API (Claude Code, the anthropic SDK)
+    gemini_share: float = 0.07  # Gemini's :streamGenerateContent / :generateContent
+    ollama_share: float = 0.07  # Ollama's /api/chat
     error_share: float = 0.03
     extra_headers: dict[str, str] = field(default_factory=dict)
     # Production shapes (the simulator's x-sim-* headers), one chosen per request: prompt caching
@@ -51,15 +53,23 @@ async def _one(client: httpx.AsyncClient, rng: random.Random, mix: Mix, result: 
     api = rng.random()
     responses = api < mix.responses_share
     messages = not responses and api < mix.responses_share + mix.messages_share
-    chat = not responses and not messages and rng.random() < mix.chat_share
+    gemini = not (responses or messages) and api < mix.responses_share + mix.messages_share + mix.gemini_share
+    ollama = not (responses or messages or gemini) and api < mix.responses_share + mix.messages_share + mix.gemini_share + mix.ollama_share
+    chat = not (responses or messages or gemini or ollama) and rng.random() < mix.chat_share
     body: dict[str, object] = {"model": rng.choice(mix.models), "max_output_tokens" if responses else "max_tokens": rng.choice(mix.max_tokens),
                                "stream": rng.random() < mix.stream_share}
     text = _prompt(rng.choice(mix.prompt_tokens))
+    if gemini:  # the path names the model and whether it streams
+        model, stream, max_tokens = body.pop("model"), body.pop("stream"), body.pop("max_tokens")
+        body = {"contents": [{"role": "user", "parts": [{"text": text}]}], "generationConfig": {"maxOutputTokens": max_tokens}}
+    elif ollama:
+        body["options"] = {"num_predict": body.pop("max_tokens")}
+        body["messages"] = [{"role": "user", "content": text}]
     if responses:
         body["input"] = text
     elif chat or messages:
         body["messages"] = [{"role": "user", "content": text}]
-    else:
+    elif not (gemini or ollama):
         body["prompt"] = text
     headers = dict(mix.extra_headers)
     prompt_tokens = len(text) // 4 if isinstance(text, str) else 0
@@ -72,7 +82,10 @@ async def _one(client: httpx.AsyncClient, rng: random.Random, mix: Mix, result: 
         headers["x-sim-error-status"] = rng.choice(("500", "429", "503"))
     result.sent += 1
     try:
-        path = "/responses" if responses else "/messages" if messages else "/chat/completions" if chat else "/completions"
+        origin = str(client.base_url).rstrip("/").removesuffix("/v1")  # Gemini's and Ollama's paths are not under /v1
+        path = ("/responses" if responses else "/messages" if messages else "/chat/completions" if chat else "/completions") if not (gemini or ollama) \
+            else f"{origin}/api/chat" if ollama \
+            else f"{origin}/v1beta/models/{model}:{'streamGenerateContent?alt=sse' if stream else 'generateContent'}"
         async with client.stream("POST", path, json=body, headers=headers) as r:
             async for _ in r.aiter_raw():
                 pass

@@ -13,7 +13,7 @@ def test_demo_prints_the_measured_split():
                          cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     lines = [line for line in out.stdout.splitlines() if line.startswith("│")]
-    assert len(lines) == 10
+    assert len(lines) == 12
     cells = [[cell.strip() for cell in line.split("│")[1:-1]] for line in lines]
     rows, reasoning, apis = lines[:4], cells[4:7], cells[7:]
     assert rows[0].split("│")[1].strip() == "100" and rows[-1].split("│")[1].strip() == "10000"
@@ -24,10 +24,9 @@ def test_demo_prints_the_measured_split():
     none, visible, hidden = reasoning
     assert none[2] == visible[2] == "0.00 ms" and hidden[2] != "0.00 ms"
     assert hidden[8] == "40" and visible[8] == "0"
-    # Chat, the Responses API and Anthropic Messages: the same request, the same measured numbers.
-    assert [r[0] for r in apis] == ["openai chat", "openai responses", "anthropic messages"]
-    chat, responses, messages = apis
-    assert chat[6:] == responses[6:] == messages[6:] == [chat[6], "20"]  # prompt and completion tokens agree
+    # Chat, the Responses API, Anthropic Messages, Gemini and Ollama: the same request, the same measured numbers.
+    assert [r[0] for r in apis] == ["openai chat", "openai responses", "anthropic messages", "gemini generate_content", "ollama ollama_chat"]
+    assert all(r[6:] == [apis[0][6], "20"] for r in apis)  # prompt and completion tokens agree
     assert all(r[1].endswith("ms") and r[5] != "0.0" for r in apis)
     # It ends with `explain` over its own traffic (read back from its records database) and the page's address.
     assert "llm-latency-proxy explain --db" in out.stdout and "== sim-7b @ 127.0.0.1:" in out.stdout

@@ -82,7 +82,10 @@ def test_real_traffic_through_the_simulator_at_two_prefill_rates(tmp_path):
                 body = {"model": model, "messages": [{"role": "user", "content": " the" * tokens}], "max_tokens": 10, "stream": True}
                 api_path = "/messages" if model == "slow" and k % 2 else "/chat/completions"  # one engine, two APIs: one fit
                 httpx.post(f"{proxy.v1}{api_path}", json=body, timeout=30).raise_for_status()
-        proxy.wait_records(20)
+        for load_ms in ("300", "0", "0"):  # a laptop's Ollama: the first request waits for the model to load
+            httpx.post(f"{proxy.url}/api/chat", json={"model": "laptop", "messages": [{"role": "user", "content": "hi"}], "options": {"num_predict": 5}},
+                       headers={"x-sim-load-ms": load_ms, "x-sim-ttft-ms": "20"}, timeout=30).raise_for_status()
+        proxy.wait_records(23)
         report = explain(load([str(path)]))
         png = tmp_path / "fits.png"
         out = subprocess.run([sys.executable, "-m", "proxy", "explain", "--db", str(path), "--plot", str(png)], cwd=ROOT,
@@ -95,6 +98,9 @@ def test_real_traffic_through_the_simulator_at_two_prefill_rates(tmp_path):
     assert report[f"slow @ {upstream}"]["prefill"]["tokens_per_second"] == pytest.approx(1000, rel=0.10)
     assert report[f"slow @ {upstream}"]["apis"] == {"openai chat": 5, "anthropic messages": 5}
     assert "apis: openai chat 5, anthropic messages 5" in out.stdout
+    cold = report[f"laptop @ {upstream}"]["load"]
+    assert cold["requests"] == 1 and cold["median_s"] == pytest.approx(0.300, abs=0.015)
+    assert "model load (engine-reported): 1 of 3 requests waited for it" in out.stdout
     assert out.returncode == 0 and "prefill: " in out.stdout and "dominates" in out.stdout, out.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     print("\n" + out.stdout)

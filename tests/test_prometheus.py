@@ -130,7 +130,7 @@ def test_every_panel_query_and_rule_returns_data(stack):
     # The endpoint variable set to the Responses API alone: every panel that filters by endpoint
     # has data for that traffic too (the load mix sends 15% of its requests there).
     filtered = [(panel, target) for panel, target in queries if "$endpoint" in target["expr"]]
-    for endpoint in ("responses", "messages"):  # the Responses API and Anthropic's Messages API, each alone
+    for endpoint in ("responses", "messages", "generate_content", "ollama_chat"):  # each API's traffic alone (Responses, Anthropic, Gemini, Ollama)
         without = [f"{panel['title']} / {target['refId']}" for panel, target in filtered
                    if not has_data(prom.query(substitute(target["expr"], endpoint=endpoint)))]
         assert filtered and not without, f"panel queries without data for endpoint={endpoint}: {without}"
@@ -141,7 +141,7 @@ def test_every_panel_query_and_rule_returns_data(stack):
                                params={"match[]": substitute(match.group(1))}).json()["data"]
             assert values, variable["name"]
             if variable["name"] == "endpoint":
-                assert {"chat", "completions", "responses", "messages"} <= set(values), values
+                assert {"chat", "completions", "responses", "messages", "generate_content", "ollama_chat"} <= set(values), values
     recorded, alerts = [r for r in rules() if "record" in r], [r for r in rules() if "alert" in r]
     for rule in recorded:  # production windows, evaluated directly
         assert has_data(prom.query(rule["expr"])), rule["record"]

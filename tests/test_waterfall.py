@@ -28,8 +28,10 @@ def test_the_waterfall_matches_the_records(proxy_factory, tmp_path):
             client.post("/chat/completions", json=body, headers=headers)
         client.post("/responses", json={"model": "sim-7b", "input": "hi", "max_output_tokens": 12, "stream": True})
         client.post("/messages", json={"model": "claude-sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 9, "stream": True})
-    records = proxy.wait_records(7)
-    assert len(records) == 7
+    httpx.post(f"{proxy.url}/api/chat", json={"model": "laptop", "messages": [{"role": "user", "content": "hi"}], "options": {"num_predict": 6}},
+               headers={"x-sim-load-ms": "200"}, timeout=30)  # Ollama's cold model load: its own segment
+    records = proxy.wait_records(8)
+    assert len(records) == 8 and "load" in records[-1]["phases_s"]
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
         try:

@@ -69,6 +69,7 @@ class Gemini(Dialect):
             if not isinstance(content, dict):
                 continue
             parts.fixed += TOKENS_PER_MESSAGE
+            parts.value(content.get("role"))  # (as OpenAI's guide counts it: the same prompt, the same count)
             for part in content.get("parts") or []:
                 if not isinstance(part, dict):
                     continue

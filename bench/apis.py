@@ -17,7 +17,10 @@ from typing import Any, Callable
 
 import anthropic
 import httpx
+import ollama
 import openai
+from google import genai
+from google.genai import types
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from proxy.demo import free_port, serve_command, started  # noqa: E402
@@ -31,6 +34,8 @@ def calls(base: str) -> dict[str, Callable[[], Any]]:
     oai = openai.OpenAI(base_url=f"{base}/v1", api_key="bench", max_retries=0)
     azure = openai.AzureOpenAI(azure_endpoint=base, api_key="bench", api_version="2024-10-21", max_retries=0)
     claude = anthropic.Anthropic(base_url=base, api_key="bench", max_retries=0)
+    gemini = genai.Client(api_key="bench", http_options=types.HttpOptions(base_url=base, headers=SCHEDULE))
+    local = ollama.Client(host=base, headers=SCHEDULE)
 
     def anthropic_stream() -> None:
         with claude.messages.stream(model="sim-7b", max_tokens=TOKENS, messages=MESSAGES, extra_headers=SCHEDULE) as s:  # type: ignore[arg-type]
@@ -51,6 +56,9 @@ def calls(base: str) -> dict[str, Callable[[], Any]]:
         "azure chat (deployment path)": lambda: list(azure.chat.completions.create(model="sim-7b", messages=MESSAGES, max_tokens=TOKENS,  # type: ignore[arg-type]
                                                                                   stream=True, extra_headers=SCHEDULE)),
         "anthropic messages": anthropic_stream,
+        "gemini (google-genai, SSE)": lambda: list(gemini.models.generate_content_stream(
+            model="sim-7b", contents="hello there", config=types.GenerateContentConfig(max_output_tokens=TOKENS))),
+        "ollama chat (NDJSON)": lambda: list(local.chat(model="sim-7b", messages=MESSAGES, stream=True, options={"num_predict": TOKENS})),
         "openai chat, gzip stream": gzip_chat,
     }
 

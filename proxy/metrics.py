@@ -55,7 +55,7 @@ class MetricDef:
 
 
 METRICS: tuple[MetricDef, ...] = (
-    MetricDef("llmproxy_requests", "counter", "Finished requests by wire API (openai, azure, anthropic, other), outcome (ok, upstream_error, client_disconnect, client_slow, timeout, proxy_error, overloaded) and HTTP status. The latency metrics below describe the ok ones.", BASE + ("api", "outcome", "code")),
+    MetricDef("llmproxy_requests", "counter", "Finished requests by wire API (openai, azure, anthropic, gemini, ollama, other), outcome (ok, upstream_error, client_disconnect, client_slow, timeout, proxy_error, overloaded) and HTTP status. The latency metrics below describe the ok ones.", BASE + ("api", "outcome", "code")),
     MetricDef("llmproxy_unmeasured_requests", "counter", "Requests relayed whole but not (wholly) measured, by reason: event_too_large (a streamed event past --max-event-bytes), undecodable (a content-encoding the proxy could not decode).", ("upstream", "reason")),
     MetricDef("llmproxy_requests_in_flight", "gauge", "Requests being relayed now.", ("upstream",)),
     MetricDef("llmproxy_max_in_flight", "gauge", "The admission cap, --max-in-flight, summed over worker processes (0: no cap).", ("upstream",)),
@@ -69,10 +69,10 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("llmproxy_inter_chunk_latency_seconds", "summary", "Per choice: gap between consecutive content chunks (mean from sum / count).", BASE),
     MetricDef("llmproxy_decode_tokens_per_second", "histogram", "Per request: tokens streamed after each choice's first content chunk / that choice's decode window, averaged over choices; hidden reasoning tokens excluded.", BASE, TPS_BUCKETS),
     MetricDef("llmproxy_prefill_tokens_per_second", "histogram", "Per request: uncached prompt tokens / prefill phase seconds.", BASE, PREFILL_TPS_BUCKETS),
-    MetricDef("llmproxy_phase_seconds", "counter", "Seconds spent in each phase of successful requests (client, proxy, network, tokenize, queue, reasoning, prefill, decode, server); the phases sum to the request duration, so per phase / llmproxy_request_duration_seconds_sum is the split.", BASE + ("phase",)),
+    MetricDef("llmproxy_phase_seconds", "counter", "Seconds spent in each phase of successful requests (client, proxy, network, tokenize, queue, load, reasoning, prefill, decode, server); the phases sum to the request duration, so per phase / llmproxy_request_duration_seconds_sum is the split.", BASE + ("phase",)),
     MetricDef("llmproxy_proxy_overhead_seconds", "histogram", "Per successful request: the proxy's own time (the phase proxy), for its quantiles; not by model (it does not depend on one).", ("upstream", "endpoint", "stream"), OVERHEAD_BUCKETS),
-    MetricDef("llmproxy_engine_prefill_seconds", "summary", "Reported by the engine (llama.cpp timings.prompt_ms, vLLM metrics.time_to_first_token_ms): its prompt processing time.", BASE),
-    MetricDef("llmproxy_engine_time_per_output_token_seconds", "summary", "Reported by the engine (llama.cpp timings.predicted_per_token_ms, vLLM metrics.mean_itl_ms, TGI x-time-per-token): its decode time per output token.", BASE),
+    MetricDef("llmproxy_engine_prefill_seconds", "summary", "Reported by the engine (llama.cpp timings.prompt_ms, vLLM metrics.time_to_first_token_ms, Ollama prompt_eval_duration): its prompt processing time.", BASE),
+    MetricDef("llmproxy_engine_time_per_output_token_seconds", "summary", "Reported by the engine (llama.cpp timings.predicted_per_token_ms, vLLM metrics.mean_itl_ms, TGI x-time-per-token, Ollama eval_duration / eval_count): its decode time per output token.", BASE),
     MetricDef("llmproxy_upstream_connect_seconds", "summary", "Opening a new upstream connection, by step (dns, tcp, tls).", ("upstream", "step")),
     MetricDef("llmproxy_upstream_rtt_seconds", "histogram", "Kernel smoothed RTT (TCP_INFO) of the upstream connection a request used.", ("upstream",), RTT_BUCKETS),
     MetricDef("llmproxy_tokenize_seconds", "summary", "Tokenizer time per request, by kind (prompt, completion).", ("model", "kind")),

@@ -63,9 +63,9 @@ def test_api_version_and_paths_reach_the_upstream_untouched(proxy_factory):
         azure(proxy).chat.completions.create(model="dep-1", messages=MESSAGES)
         assert up.requests[-1]["request-line"] == "POST /openai/deployments/dep-1/chat/completions?api-version=2024-10-21 HTTP/1.1"
         assert proxy.last_record()["prompt_tokens"] == 3
-        tags = httpx.get(f"{proxy.url}/api/tags?verbose=1", headers={"x-custom": "kept"})
+        tags = httpx.get(f"{proxy.url}/custom/route?verbose=1", headers={"x-custom": "kept"})
         assert tags.status_code == 200 and tags.content == body  # a path the proxy does not measure: relayed, never 404
-        assert up.requests[-1]["request-line"] == "GET /api/tags?verbose=1 HTTP/1.1" and up.requests[-1]["x-custom"] == "kept"
+        assert up.requests[-1]["request-line"] == "GET /custom/route?verbose=1 HTTP/1.1" and up.requests[-1]["x-custom"] == "kept"
         assert proxy.last_record()["endpoint"] == "other" and proxy.last_record()["api"] == "other"
         assert httpx.delete(f"{proxy.url}/v1beta/things/7").status_code == 200
         assert up.requests[-1]["request-line"] == "DELETE /v1beta/things/7 HTTP/1.1"

@@ -119,6 +119,13 @@ def test_bad_input_and_the_key_in_the_query(proxy_factory, caplog):
         assert via == b"".join(error) and record["outcome"] == "upstream_error" and record["error"] == "stream_error:UNAVAILABLE"
         assert up.requests[-1]["request-line"] == "POST /v1beta/models/g:streamGenerateContent?x=1 HTTP/1.1"  # the proxy's key never goes on
         metrics = httpx.get(f"{proxy.url}/metrics").text
+    with raw_upstream(SSE, content_type="text/event-stream") as up:  # an upstream key replaces the client's, in the header
+        keyed = proxy_factory(upstream=up.url, upstream_api_key_env="GEMINI_KEY_FOR_UPSTREAM", upstream_api_key="upstream-goog-key")
+        httpx.post(f"{keyed.url}/v1beta/models/g:streamGenerateContent?alt=sse&key=QUERY-KEY-CANARY", json={"contents": "hi"},
+                   headers={"x-goog-api-key": "QUERY-KEY-CANARY"}, timeout=30)
+        seen = up.requests[-1]
+        assert seen["request-line"] == "POST /v1beta/models/g:streamGenerateContent?alt=sse HTTP/1.1" and seen["x-goog-api-key"] == "upstream-goog-key"
+        assert keyed.last_record()["content_chunks"] == 3
     logged = "\n".join(r.getMessage() for r in caplog.records if r.name.startswith("llmproxy"))  # the proxy's logs (not the test client's)
     assert '"outcome"' in logged  # the request log was on
     for secret in ("QUERY-KEY-CANARY", "proxy-key"):

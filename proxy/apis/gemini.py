@@ -29,7 +29,8 @@ from ..tokens import REPLY_PRIMING, TOKENS_PER_MESSAGE, Parts, PromptParts
 from . import Dialect, Route
 
 _PATH = re.compile(r"^/v1(?:beta\d*|alpha)?/(?:projects/[^/]+/locations/[^/]+/publishers/google/)?(?:tuned)?models/([^/:]+):(\w+)$")
-_GEMINI = re.compile(r"^/v1(?:beta\d*|alpha)?/(?:projects/[^/]+/locations/[^/]+/publishers/google/)?(?:tuned)?models(?:/|$)")
+# Gemini's other model operations and its model list under its own base (/v1/models stays OpenAI's list).
+_GEMINI = re.compile(r"^/v1(?:beta\d*|alpha)/(?:projects/[^/]+/locations/[^/]+/publishers/google/)?(?:tuned)?models(?:/|$)")
 
 
 class Gemini(Dialect):

@@ -104,8 +104,8 @@ def test_a_recorded_gzip_stream_through_the_proxy(proxy_factory):
     assert via == b"".join(writes)
     assert zlib.decompress(via, 31) == b"".join(events)
     assert record["content_chunks"] == 5 and record["completion_tokens"] == 5 and record["prompt_tokens"] == 9
-    assert record["phases_s"]["prefill"] == pytest.approx(0.020, abs=0.006)  # the 2nd write: the role chunk is not content
-    assert record["decode_s"] == pytest.approx(0.040, abs=0.008)  # 4 gaps of 10 ms
+    assert 0.019 <= record["phases_s"]["prefill"] <= 0.040  # the 2nd write (the role chunk is not content); sleeps never end early
+    assert 0.035 <= record["decode_s"] <= 0.065  # 4 gaps of 10 ms (generous: the fixture is a thread of this busy process)
 
 
 def test_the_decoders_bound_what_one_read_expands_to():

@@ -89,8 +89,9 @@ def test_recorded_streams_read_by_hand(proxy_factory, shape):
     # 3 content events: the thought, the text, the function call's args; 10 ms apart
     # The upstream waits 10 ms before its first write: the prefill phase (TTFT less the connect and
     # the proxy's own time, which this in-process upstream's thread makes noisy) is that wait.
-    assert record["content_chunks"] == 3 and record["phases_s"]["prefill"] == pytest.approx(0.010, abs=0.005)
-    assert record["decode_s"] == pytest.approx(0.020, abs=0.008)
+    # (its sleeps never end early, so the lower bound is tight; the upper one allows a busy machine)
+    assert record["content_chunks"] == 3 and 0.009 <= record["phases_s"]["prefill"] <= 0.025
+    assert 0.015 <= record["decode_s"] <= 0.040  # 2 gaps of 10 ms (generous: the fixture is a thread of this busy process)
     assert record["prompt_tokens"] == 1200 and record["cached_prompt_tokens"] == 1000
     assert record["completion_tokens"] == 9 + 3 and record["reasoning_tokens"] == 3 and record["hidden_reasoning_tokens"] == 0
     assert record["response_model"] == "gemini-2.5-flash" and record["model"] == "gemini-2.5-flash"

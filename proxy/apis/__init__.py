@@ -24,7 +24,7 @@ from typing import Any
 
 import orjson
 
-from ..chunk import BodyInfo, Chunk
+from ..chunk import BodyInfo, Chunk, json_object
 from ..compression import DecodeError, decompress
 from ..tokens import PromptParts
 
@@ -65,8 +65,17 @@ class Dialect:
         return None
 
     def event(self, data: bytes) -> Chunk:
-        """What one SSE data payload means."""
-        return Chunk()
+        """What one event's data means: a JSON object read by `read`, else a malformed chunk."""
+        chunk = Chunk()
+        obj = json_object(data)
+        if obj is None:
+            chunk.valid = False
+        else:
+            self.read(obj, chunk)
+        return chunk
+
+    def read(self, obj: dict[str, Any], chunk: Chunk) -> None:
+        """Fill `chunk` from one event's JSON object."""
 
     def body(self, obj: dict[str, Any]) -> BodyInfo:
         """What a whole (non-streaming) JSON response body says."""

@@ -20,7 +20,7 @@ from typing import Any
 
 import orjson
 
-from ..chunk import BodyInfo, Chunk, count, json_object, string
+from ..chunk import BodyInfo, Chunk, count, string
 from ..tokens import REPLY_PRIMING, TOKENS_PER_MESSAGE, Parts, PromptParts
 from . import Dialect, Route
 
@@ -56,12 +56,7 @@ class Anthropic(Dialect):
             parts.texts.append(orjson.dumps(parsed["tools"]).decode())
         return parts.done()
 
-    def event(self, data: bytes) -> Chunk:
-        chunk = Chunk()
-        obj = json_object(data)
-        if obj is None:
-            chunk.valid = False
-            return chunk
+    def read(self, obj: dict[str, Any], chunk: Chunk) -> None:
         kind = obj.get("type")
         if kind == "content_block_delta":
             delta = obj.get("delta")
@@ -90,7 +85,6 @@ class Anthropic(Dialect):
         elif kind == "error":
             error = obj.get("error")
             chunk.failed = (string(error.get("type")) if isinstance(error, dict) else "") or "error"
-        return chunk
 
     def body(self, obj: dict[str, Any]) -> BodyInfo:
         texts = []

@@ -24,7 +24,7 @@ from urllib.parse import parse_qsl, urlencode
 
 import orjson
 
-from ..chunk import BodyInfo, Chunk, count, json_object, string
+from ..chunk import BodyInfo, Chunk, count, string
 from ..tokens import REPLY_PRIMING, TOKENS_PER_MESSAGE, Parts, PromptParts
 from . import Dialect, Route
 
@@ -82,15 +82,10 @@ class Gemini(Dialect):
                     parts.uncounted += 1
         return parts.done()
 
-    def event(self, data: bytes) -> Chunk:
-        chunk = Chunk()
-        obj = json_object(data)
-        if obj is None:
-            chunk.valid = False
-            return chunk
+    def read(self, obj: dict[str, Any], chunk: Chunk) -> None:
         if isinstance(obj.get("error"), dict):
             chunk.failed = string(obj["error"].get("status")) or str(obj["error"].get("code") or "error")
-            return chunk
+            return
         for position, candidate in enumerate(obj.get("candidates") or []):
             if isinstance(candidate, dict):
                 text, thought = _parts_text(candidate)
@@ -102,7 +97,6 @@ class Gemini(Dialect):
         if isinstance(usage, dict):
             chunk.usage = chat_usage(usage)
         chunk.model = string(obj.get("modelVersion"))
-        return chunk
 
     def body(self, obj: dict[str, Any]) -> BodyInfo:
         texts = [_parts_text(c)[0] for c in obj.get("candidates") or [] if isinstance(c, dict)]

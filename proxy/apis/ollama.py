@@ -18,7 +18,7 @@ from typing import Any
 
 import orjson
 
-from ..chunk import BodyInfo, Chunk, count, json_object, string
+from ..chunk import BodyInfo, Chunk, count, string
 from ..engine import from_ollama
 from ..tokens import REPLY_PRIMING, TOKENS_PER_MESSAGE, Parts, PromptParts
 from . import Dialect, Route
@@ -59,14 +59,8 @@ class Ollama(Dialect):
             parts.uncounted += len(parsed.get("images") or [])
         return parts.done()
 
-    def event(self, data: bytes) -> Chunk:
-        chunk = Chunk()
-        obj = json_object(data)
-        if obj is None:
-            chunk.valid = False
-            return chunk
+    def read(self, obj: dict[str, Any], chunk: Chunk) -> None:
         read(obj, chunk)
-        return chunk
 
     def body(self, obj: dict[str, Any]) -> BodyInfo:
         chunk = Chunk()

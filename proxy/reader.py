@@ -37,7 +37,7 @@ class Reader:
         self.dialect, self.ctx, self.t, self.in_flight = dialect, ctx, ctx.timing, in_flight
         self.decoder, self.inflate = decoder, inflate  # decoder None: not framed (or no longer)
         self.injected, self.strip = injected, strip
-        self.done = False  # the API's end-of-stream event went by: a client leaving now has had everything
+        self.done = False  # the API's end-of-stream (or error) event went by: a client leaving now has had everything
 
     def feed(self, chunk: bytes, now: int) -> None:
         """A read already forwarded: note what it meant."""
@@ -117,7 +117,9 @@ class Reader:
             t.malformed_chunks += 1
         if chunk.failed:  # the stream itself reported an error (`response.failed`, an `error` event)
             t.outcome, t.error = "upstream_error", f"stream_error:{chunk.failed}"
-        self.done = self.done or chunk.final
+        # After the API's end event, or an error event (an SDK raises on it and closes), a client
+        # leaving has had all there is: the request keeps its outcome, never client_disconnect.
+        self.done = self.done or chunk.final or bool(chunk.failed)
         return chunk
 
     def rewritten(self, event: Event, now: int) -> bytes:

@@ -95,11 +95,13 @@ def test_a_truncated_line_and_an_error_mid_stream(proxy_factory):
         record = proxy.last_record()
     assert got == b"".join(cut) and record["content_chunks"] == 2 and record["outcome"] == "upstream_error"
     assert record["error"] == "mid_stream:upstream_protocol_error" and record["malformed_chunks"] == 0  # the cut line is no event
-    failing = RECORDED[:3] + [b'{"error":"model runner has unexpectedly stopped"}\n']
-    with raw_upstream(failing, gap_s=0.005, content_type="application/x-ndjson") as up:
+    # The upstream keeps its connection 50 ms after the error line: the SDK raises on that line and
+    # leaves first, and the request is still the upstream's error, not a client disconnect.
+    failing = RECORDED[:3] + [b'{"error":"model runner has unexpectedly stopped"}\n', b"\n"]
+    with raw_upstream(failing, gap_s=0.05, content_type="application/x-ndjson") as up:
         proxy = proxy_factory(upstream=up.url)
         with pytest.raises(ollama.ResponseError):
             list(ollama.Client(host=proxy.url).chat(model="m", messages=MESSAGES, stream=True))
         record = proxy.last_record()
     assert record["outcome"] == "upstream_error" and record["error"] == "stream_error:error" and record["content_chunks"] == 3
-    assert orjson.loads(failing[-1])["error"]  # (the bytes the client raised on came through unchanged)
+    assert orjson.loads(failing[-2])["error"]  # (the line the client raised on)

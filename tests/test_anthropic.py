@@ -42,6 +42,16 @@ def test_the_stream_helper_is_timed_like_chat(proxy):
     assert server_span.attributes["gen_ai.operation.name"] == "chat"
 
 
+def test_pings_before_the_first_token_are_not_content(proxy):
+    """`ping` events every 50 ms while a 300 ms prefill runs (as Anthropic keeps a stream alive):
+    TTFT is the first delta's, not the first ping's."""
+    with client(proxy).messages.stream(model="claude-sim", max_tokens=5, messages=MESSAGES,
+                                       extra_headers={"x-sim-ttft-ms": "300", "x-sim-keepalive-ms": "50"}) as stream:
+        stream.until_done()
+    record = proxy.last_record()
+    assert record["ttft_s"] == pytest.approx(0.300, abs=0.015) and record["content_chunks"] == 5 and record["malformed_chunks"] == 0
+
+
 def test_create_streamed_and_not_bytes_unchanged(proxy, sim):
     events = list(client(proxy).messages.create(model="claude-sim", max_tokens=8, messages=MESSAGES, stream=True))
     assert events[0].type == "message_start" and events[-1].type == "message_stop"

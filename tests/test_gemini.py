@@ -76,6 +76,15 @@ SSE = [
 ARRAY = [b"[" + SSE[0][6:-4], b",\r\n" + SSE[1][6:-4], b",\r\n" + SSE[2][6:-4], b"]"]
 
 
+def test_candidates_are_choices():
+    """candidateCount > 1: each candidate is its own sequence, as `choices[].index` is for chat."""
+    from proxy.apis.gemini import Gemini
+
+    event = orjson.dumps({"candidates": [{"content": {"parts": [{"text": " a"}]}, "index": 0},
+                                         {"content": {"parts": [{"text": " b c"}]}, "index": 1}]})
+    assert Gemini().event(event).texts == [(0, " a"), (1, " b c")]
+
+
 @pytest.mark.parametrize("shape", ["sse", "array"])
 def test_recorded_streams_read_by_hand(proxy_factory, shape):
     writes, alt = (SSE, "?alt=sse") if shape == "sse" else (ARRAY, "")

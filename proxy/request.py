@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 from typing import Any
+from urllib.parse import parse_qsl
 
 from starlette.types import Receive, Scope
 
@@ -55,8 +56,6 @@ def query_key(query: bytes) -> str:
     """A key given as the `key` query parameter (Gemini's REST convention)."""
     if b"key=" not in query:
         return ""
-    from urllib.parse import parse_qsl
-
     return next((v for k, v in parse_qsl(query.decode("latin-1")) if k == "key"), "")
 
 

@@ -22,8 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
 from ..chunk import BodyInfo, Chunk, json_object
 from ..compression import DecodeError, decompress
 from ..tokens import PromptParts
@@ -119,13 +117,7 @@ def resolve(path: str, query: bytes = b"") -> Route:
 def parse_request(route: Route, body: bytes) -> dict[str, Any] | None:
     """The parsed JSON object of a timed request, or None (not timed, empty, not JSON, not an object).
     A body we cannot parse is still forwarded as it came: only measurement degrades."""
-    if not route.timed or not body:
-        return None
-    try:
-        parsed = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return None
-    return parsed if isinstance(parsed, dict) else None
+    return json_object(body) if route.timed and body else None
 
 
 def read_json_body(api: str, raw: bytes, encoding: bytes = b"identity") -> BodyInfo:
@@ -137,10 +129,5 @@ def read_json_body(api: str, raw: bytes, encoding: bytes = b"identity") -> BodyI
         raw = decompress(raw, encoding)
     except DecodeError:
         return BodyInfo(undecodable=True)
-    try:
-        obj = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return BodyInfo()
-    if not isinstance(obj, dict):
-        return BodyInfo()
-    return BY_NAME[api].body(obj)
+    obj = json_object(raw)
+    return BY_NAME[api].body(obj) if obj is not None else BodyInfo()

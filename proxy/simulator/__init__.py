@@ -345,6 +345,11 @@ class Plan:
     load: float = 0.0  # seconds loading the model (part of queue), before prefill
 
     @property
+    def cached(self) -> int:
+        """Prompt tokens served from the cache (x-sim-cached-tokens)."""
+        return int((self.usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+
+    @property
     def end(self) -> float:
         return self.chunks[-1][0] if self.chunks else self.first
 

@@ -37,9 +37,8 @@ def event(kind: str, **fields: Any) -> bytes:
 
 def usage(plan: "Plan", output: int | None = None) -> dict[str, Any]:
     chat = plan.usage
-    cached = (chat.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    out: dict[str, Any] = {"input_tokens": chat["prompt_tokens"] - cached, "cache_creation_input_tokens": 0,
-                           "cache_read_input_tokens": cached, "output_tokens": chat["completion_tokens"] if output is None else output}
+    out: dict[str, Any] = {"input_tokens": chat["prompt_tokens"] - plan.cached, "cache_creation_input_tokens": 0,
+                           "cache_read_input_tokens": plan.cached, "output_tokens": chat["completion_tokens"] if output is None else output}
     if output is None and plan.thinking_tokens:
         out["output_tokens_details"] = {"thinking_tokens": plan.thinking_tokens}
     return out

@@ -23,10 +23,9 @@ prompt_parts = Gemini().prompt_parts
 
 def usage(plan: "Plan", output: int) -> dict[str, Any]:
     chat = plan.usage
-    cached = (chat.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     out = {"promptTokenCount": chat["prompt_tokens"], "candidatesTokenCount": output, "totalTokenCount": chat["prompt_tokens"] + output}
-    if cached:
-        out["cachedContentTokenCount"] = cached
+    if plan.cached:
+        out["cachedContentTokenCount"] = plan.cached
     if plan.thinking_tokens:
         out["thoughtsTokenCount"] = plan.thinking_tokens
         out["totalTokenCount"] += plan.thinking_tokens

@@ -8,8 +8,14 @@ Scenarios: (A) sequential single stream, direct and system requests interleaved 
 at once; (C) non-streaming requests per second. Figures: added TTFT, inter-token-latency
 distortion (system gap - direct gap), proxy CPU per relayed chunk at 1 and 64 streams (per-request
 work included; from /proc/PID/task/*/schedstat, nanoseconds, every thread), peak RSS, and the
-saturation point (added TTFT p50 above 5 ms). `--before DIR` adds this proxy run from another
-checkout (a git worktree) with the default flags, for a before/after in the same run.
+saturation point (added TTFT p50 above 5 ms). CPU per chunk at 1/16/64 streams and the bursts run
+in both client styles: keep-alive (the openai client's default) and one connection per stream
+(`fresh`: the TCP handshake and accept are in its TTFT). Envoy (a C++ relay that measures nothing)
+is the floor: the last table printed gives every system's figures as ratios to Envoy's in the same
+run, with the targets, and checks the proxy's self-measured overhead (its `proxy` phase on the
+TTFT path, from its own records) against the client-observed added TTFT less Envoy's.
+`--before DIR` adds this proxy run from another checkout (a git worktree) with the default flags,
+for a before/after in the same run.
 """
 from __future__ import annotations
 
@@ -120,6 +126,7 @@ def process(command: list[str], health: str, env: dict[str, str] | None = None,
 
 
 async def sequential(direct: tuple[int, str], system: tuple[int, str], pairs: int) -> dict[str, list[float]]:
+    """Interleaved pairs, direct then system (order alternating): added TTFT and ITL distortion."""
     a = Connection("127.0.0.1", direct[0], direct[1], {"authorization": f"Bearer {KEY}"})
     b = Connection("127.0.0.1", system[0], system[1], {"authorization": f"Bearer {KEY}"})
     added_ttft: list[float] = []
@@ -142,7 +149,8 @@ async def sequential(direct: tuple[int, str], system: tuple[int, str], pairs: in
     return {"added_ttft": added_ttft, "itl_distortion": distortion}
 
 
-async def concurrent(target: tuple[int, str], streams: int, seconds: float) -> dict[str, Any]:
+async def concurrent(target: tuple[int, str], streams: int, seconds: float, fresh: bool = False) -> dict[str, Any]:
+    """`streams` closed-loop workers; `fresh`: each stream on a new connection (else kept alive)."""
     ttfts: list[float] = []
     gaps: list[float] = []
     chunks = 0
@@ -153,6 +161,8 @@ async def concurrent(target: tuple[int, str], streams: int, seconds: float) -> d
         conn = Connection("127.0.0.1", target[0], target[1], {"authorization": f"Bearer {KEY}"})
         while time.perf_counter() < deadline:
             start, arrivals, status = await conn.stream(body(SWEEP_TOKENS))
+            if fresh:
+                conn.close()
             if status == 200 and arrivals:
                 ttfts.append(arrivals[0] - start)
                 gaps.extend(y - x for x, y in zip(arrivals, arrivals[1:]))
@@ -165,13 +175,18 @@ async def concurrent(target: tuple[int, str], streams: int, seconds: float) -> d
     return {"ttft": ttfts, "gaps": gaps, "chunks": chunks, "seconds": elapsed}
 
 
-async def burst(target: tuple[int, str], streams: int, rounds: int) -> dict[str, Any]:
-    """`streams` requests started at once, `rounds` times (connections kept between rounds)."""
+async def burst(target: tuple[int, str], streams: int, rounds: int, fresh: bool = False, tokens: int = SWEEP_TOKENS) -> dict[str, Any]:
+    """`streams` requests started at once, `rounds` times: on connections kept between rounds
+    (keep-alive clients, the openai client's default), or `fresh`: each on a new connection, whose
+    TCP handshake is then part of its TTFT (the start is taken before the connect)."""
     conns = [Connection("127.0.0.1", target[0], target[1], {"authorization": f"Bearer {KEY}"}) for _ in range(streams)]
     ttfts: list[float] = []
     for _ in range(rounds):
-        results = await asyncio.gather(*(conn.stream(body(SWEEP_TOKENS)) for conn in conns))
+        results = await asyncio.gather(*(conn.stream(body(tokens)) for conn in conns))
         ttfts.extend(arrivals[0] - start for start, arrivals, status in results if status == 200 and arrivals)
+        if fresh:
+            for conn in conns:
+                conn.close()
         await asyncio.sleep(0.2)
     for conn in conns:
         conn.close()
@@ -228,10 +243,11 @@ def summarise(name: str, seq: dict[str, list[float]], sweep: dict[int, dict[str,
 
 
 def run_system(target: tuple[int, str], pid: int | None, direct: tuple[int, str], args: argparse.Namespace,
-               direct_sweep: dict[int, dict[str, Any]], direct_rps: dict[str, Any], direct_bursts: dict[str, Any], name: str) -> dict[str, Any]:
+               direct_sweep: dict[int, dict[str, Any]], direct_rps: dict[str, Any], direct_bursts: tuple[dict[str, Any], dict[str, Any]], name: str) -> dict[str, Any]:
     print(f"[{name}] sequential pairs", flush=True)
     schedule(SEQ_SCHEDULE)
     seq = asyncio.run(sequential(direct, target, args.pairs))
+    own = own_ttft_overhead(target[0], args.pairs) if name.startswith(("llm-latency-proxy", "before")) else []
     schedule(SWEEP_SCHEDULE)
     sweep = {}
     cpu: dict[int, float] = {}
@@ -241,13 +257,38 @@ def run_system(target: tuple[int, str], pid: int | None, direct: tuple[int, str]
         sweep[streams] = asyncio.run(concurrent(target, streams, args.seconds))
         if pid and streams in (1, 16, 64):
             cpu[streams] = (cpu_seconds(pid) - before) / max(1, sweep[streams]["chunks"])
+    fresh_cpu: dict[int, float] = {}
+    for streams in (1, 16, 64):
+        if pid and streams in args.sweep:
+            print(f"[{name}] {streams} streams, one connection each", flush=True)
+            before = cpu_seconds(pid)
+            result = asyncio.run(concurrent(target, streams, args.seconds, fresh=True))
+            fresh_cpu[streams] = (cpu_seconds(pid) - before) / max(1, result["chunks"])
     print(f"[{name}] bursts of {args.burst}", flush=True)
     bursts = asyncio.run(burst(target, args.burst, args.burst_rounds))
+    fresh_bursts = asyncio.run(burst(target, args.burst, args.burst_rounds, fresh=True))
     print(f"[{name}] non-streaming", flush=True)
     schedule({"ttft_ms": 0.0})
     rps = asyncio.run(non_streaming(target, args.seconds))
     schedule(SWEEP_SCHEDULE)
-    return summarise(name, seq, sweep, direct_sweep, rps, direct_rps, cpu, peak_rss_mb(pid) if pid else None, bursts, direct_bursts)
+    row = summarise(name, seq, sweep, direct_sweep, rps, direct_rps, cpu, peak_rss_mb(pid) if pid else None, bursts, direct_bursts[0])
+    ms = lambda v: round(v * 1000, 3)  # noqa: E731
+    for streams, seconds_per_chunk in fresh_cpu.items():
+        row[f"fresh_cpu_us_per_chunk_c{streams}"] = round(seconds_per_chunk * 1e6, 2)
+    row["fresh_burst_added_ttft_p50_ms"] = ms(pct(fresh_bursts["ttft"], 0.5) - pct(direct_bursts[1]["ttft"], 0.5))
+    row["fresh_burst_added_ttft_p99_ms"] = ms(pct(fresh_bursts["ttft"], 0.99) - pct(direct_bursts[1]["ttft"], 0.99))
+    if own:
+        row["own_ttft_overhead_p50_ms"] = ms(pct(own, 0.5))
+    return row
+
+
+def own_ttft_overhead(port: int, pairs: int) -> list[float]:
+    """The proxy's own time on each sequential request's TTFT path, from its records: the `proxy`
+    phase before the upstream request was issued plus relaying the first content chunk."""
+    import httpx
+
+    records = httpx.get(f"http://127.0.0.1:{port}/llmproxy/requests", params={"limit": pairs}).json()
+    return [r["proxy_parts_s"]["before"] + r["proxy_parts_s"]["first_token"] for r in records if "proxy_parts_s" in r]
 
 
 def main() -> int:
@@ -267,7 +308,7 @@ def main() -> int:
     py = sys.executable
     sim_port = free_port()
     direct = (sim_port, "/v1")
-    rows = []
+    rows: list[dict[str, Any]] = []
     sink = Sink()
     try:
         return run_all(args, py, sim_port, direct, rows, sink)
@@ -285,7 +326,8 @@ def run_all(args: argparse.Namespace, py: str, sim_port: int, direct: tuple[int,
         schedule({"ttft_ms": 0.0})
         direct_rps = asyncio.run(non_streaming(direct, args.seconds))
         schedule(SWEEP_SCHEDULE)
-        direct_bursts = asyncio.run(burst(direct, args.burst, args.burst_rounds))
+        direct_bursts = (asyncio.run(burst(direct, args.burst, args.burst_rounds)),
+                         asyncio.run(burst(direct, args.burst, args.burst_rounds, fresh=True)))
         ideal_ttft = SWEEP_SCHEDULE["ttft_ms"] / 1000
         rows.append({"system": "direct", **{f"c{s}_ttft_p50_ms": round(pct(r["ttft"], 0.5) * 1000, 3) for s, r in direct_sweep.items()},
                      **{f"c{s}_itl_p50_ms": round(pct(r["gaps"], 0.5) * 1000, 3) for s, r in direct_sweep.items()},
@@ -306,12 +348,13 @@ def run_all(args: argparse.Namespace, py: str, sim_port: int, direct: tuple[int,
             env = {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.url} if name != "metrics-only" else {}
             src = args.before if name == "before" else str(ROOT)
             cmd = serve_command(src, "serve", "--upstream", f"http://127.0.0.1:{sim_port}/v1", "--port", str(port), *flags)
-            label = f"before ({args.before}), tracing on" if name == "before" else f"llm-latency-proxy {name}"
+            label = f"before ({args.before}), tracing on" if name == "before" else f"llm-latency-proxy {LABELS.get(name, name)}"
             with process(cmd, f"http://127.0.0.1:{port}/healthz", env) as proc:
                 rows.append(run_system((port, "/v1"), proc.pid, direct, args, direct_sweep, direct_rps, direct_bursts, label))
     report = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}", "args": vars(args) | {"out": str(args.out), "plot": str(args.plot)},
               "rows": rows}
     print(json.dumps(report, indent=1))
+    print(floor_table(rows))
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))
     if args.plot:
@@ -320,7 +363,7 @@ def run_all(args: argparse.Namespace, py: str, sim_port: int, direct: tuple[int,
 
 
 def run_litellm(port: int, sim_port: int, direct: tuple[int, str], args: argparse.Namespace,
-                direct_sweep: dict[int, dict[str, Any]], direct_rps: dict[str, Any], direct_bursts: dict[str, Any]) -> dict[str, Any]:
+                direct_sweep: dict[int, dict[str, Any]], direct_rps: dict[str, Any], direct_bursts: tuple[dict[str, Any], dict[str, Any]]) -> dict[str, Any]:
     config = Path(tempfile.mkdtemp()) / "litellm.yaml"
     config.write_text(
         "model_list:\n  - model_name: sim-7b\n    litellm_params:\n      model: openai/sim-7b\n"
@@ -367,7 +410,7 @@ static_resources:
 
 
 def run_envoy(port: int, sim_port: int, direct: tuple[int, str], args: argparse.Namespace,
-              direct_sweep: dict[int, dict[str, Any]], direct_rps: dict[str, Any], direct_bursts: dict[str, Any]) -> dict[str, Any]:
+              direct_sweep: dict[int, dict[str, Any]], direct_rps: dict[str, Any], direct_bursts: tuple[dict[str, Any], dict[str, Any]]) -> dict[str, Any]:
     """Envoy, the floor a relay can reach: a C++ proxy with a plain route to the same upstream,
     one worker thread (--concurrency 1, as the proxy runs one worker), measuring nothing."""
     config = Path(tempfile.mkdtemp()) / "envoy.yaml"
@@ -375,6 +418,61 @@ def run_envoy(port: int, sim_port: int, direct: tuple[int, str], args: argparse.
     cmd = [ENVOY, "-c", str(config), "--concurrency", "1", "--log-level", "error", "--disable-hot-restart"]
     with process(cmd, f"http://127.0.0.1:{port}/health") as proc:
         return run_system((port, "/v1"), proc.pid, direct, args, direct_sweep, direct_rps, direct_bursts, "envoy 1.40.0 (--concurrency 1)")
+
+
+LABELS = {"metrics-only": "defaults (records, metrics; no OTLP endpoint)", "offsets": "defaults + tracing (OTLP)"}
+
+# (figure, row key, target as a ratio to Envoy's, or as ms above Envoy's) for the floor table
+FLOOR_FIGURES = [
+    ("CPU µs per chunk, 1 stream, keep-alive", "cpu_us_per_chunk_c1", 1.2, None),
+    ("CPU µs per chunk, 16 streams, keep-alive", "cpu_us_per_chunk_c16", 1.2, None),
+    ("CPU µs per chunk, 64 streams, keep-alive", "cpu_us_per_chunk_c64", 1.2, None),
+    ("CPU µs per chunk, 1 stream, one connection each", "fresh_cpu_us_per_chunk_c1", 1.2, None),
+    ("CPU µs per chunk, 16 streams, one connection each", "fresh_cpu_us_per_chunk_c16", 1.2, None),
+    ("CPU µs per chunk, 64 streams, one connection each", "fresh_cpu_us_per_chunk_c64", 1.2, None),
+    ("burst of 64, added TTFT p50 (ms), keep-alive", "burst_added_ttft_p50_ms", 1.5, None),
+    ("burst of 64, added TTFT p99 (ms), keep-alive", "burst_added_ttft_p99_ms", 2.0, None),
+    ("burst of 64, added TTFT p50 (ms), one connection each", "fresh_burst_added_ttft_p50_ms", 1.5, None),
+    ("burst of 64, added TTFT p99 (ms), one connection each", "fresh_burst_added_ttft_p99_ms", 2.0, None),
+    ("1 stream, added TTFT p50 (ms)", "seq_added_ttft_p50_ms", None, 0.2),
+]
+
+
+def floor_table(rows: list[dict[str, Any]]) -> str:
+    """Every system against Envoy, the floor, from this run: figure (ratio), and whether the target holds."""
+    envoy = next((r for r in rows if r["system"].startswith("envoy")), None)
+    systems = [r for r in rows if r["system"] != "direct"]
+    if envoy is None:
+        return "(no envoy row: run with --systems envoy ...)"
+    lines = ["| figure | target | " + " | ".join(r["system"] for r in systems) + " |",
+             "|---|---|" + "---|" * len(systems)]
+    for title, key, ratio, above in FLOOR_FIGURES:
+        floor = envoy.get(key)
+        cells = []
+        for r in systems:
+            value = r.get(key)
+            if value is None or floor is None:
+                cells.append("")
+                continue
+            if r is envoy:
+                cells.append(f"{value:,.2f}")
+            elif ratio is not None:
+                met = "✓" if value <= ratio * floor else "✗"
+                cells.append(f"{value:,.2f} ({value / floor:.2f}×) {met}" if floor > 0 else f"{value:,.2f}")
+            else:
+                met = "✓" if value - floor <= (above or 0) else "✗"
+                cells.append(f"{value:,.3f} ({value - floor:+.3f}) {met}")
+        target = f"≤ {ratio}× Envoy" if ratio is not None else f"≤ Envoy + {above} ms"
+        lines.append(f"| {title} | {target} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for r in systems:
+        if "own_ttft_overhead_p50_ms" in r:
+            observed = r["seq_added_ttft_p50_ms"] - envoy["seq_added_ttft_p50_ms"]
+            own = r["own_ttft_overhead_p50_ms"]
+            met = "✓" if abs(observed - own) <= 0.2 else "✗"
+            lines.append(f"{r['system']}: client-observed added TTFT p50 less Envoy's = {observed:.3f} ms; its own "
+                         f"`proxy` phase on the TTFT path (records) p50 = {own:.3f} ms; within 0.2 ms: {met}")
+    return "\n".join(lines)
 
 
 def plot(rows: list[dict[str, Any]], sweep: list[int], path: Path) -> None:

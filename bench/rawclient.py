@@ -27,14 +27,15 @@ class Connection:
         self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
 
     async def stream(self, body: dict[str, object], headers: dict[str, str] | None = None) -> tuple[float, list[float], int]:
-        """(start, arrival time of each content chunk, status) for one streaming request."""
-        if self.writer is None:
-            await self._open()
+        """(start, arrival time of each content chunk, status) for one streaming request; on a new
+        connection the start is before the connect, so TTFT includes the TCP handshake and accept."""
         payload = orjson.dumps(body)
         extra = self.extra + "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         request = (f"POST {self.prefix}/chat/completions HTTP/1.1\r\nhost: {self.host}\r\ncontent-type: application/json\r\n"
                    f"content-length: {len(payload)}\r\n{extra}\r\n").encode() + payload
         start = time.perf_counter()
+        if self.writer is None:
+            await self._open()
         assert self.writer is not None and self.reader is not None
         self.writer.write(request)
         arrivals: list[float] = []

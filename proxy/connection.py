@@ -6,7 +6,9 @@ parser, which made the proxy's upstream side cost more CPU per relayed chunk tha
 per read: the relay's own deadline (`asyncio.timeout_at`) bounds every wait on the body.
 
 The parser decodes chunked transfer encoding; each HTTP chunk stays its own piece, so nothing is
-coalesced. When the consumer falls behind (a slow client), reading pauses at `HIGH_WATER` bytes
+coalesced. Each piece carries the instant its bytes were read off the socket (`read_ns`), taken
+here in the protocol callback, not when the relay's task next runs: on a busy event loop that
+task may wake milliseconds later, and a stamp taken then would overstate TTFT by as much. When the consumer falls behind (a slow client), reading pauses at `HIGH_WATER` bytes
 and the kernel's buffers push back on the upstream, as they would without a proxy.
 """
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import AsyncIterator
 import httptools
 
 from .errors import ReadError, RemoteProtocolError, WriteError
+from .timing import now_ns
 
 HIGH_WATER = 256 * 1024  # bytes buffered for a slow consumer before reading pauses
 LOW_WATER = 64 * 1024
@@ -35,6 +38,7 @@ class Connection(asyncio.Protocol):
         self.error: Exception | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._drained: asyncio.Future[None] | None = None
+        self._now = 0  # the instant the bytes being parsed were read off the socket
         self._reset()
 
     def _reset(self) -> None:
@@ -44,7 +48,10 @@ class Connection(asyncio.Protocol):
         self.complete = False
         self.keep_alive = False
         self.length_known = False  # content-length or chunked: the end is in the bytes, not at EOF
-        self._body: deque[bytes] = deque()
+        self.headers_ns = 0  # when the response's head was read
+        self.read_ns = 0  # when the piece `read` returned last (at the end: when the end was read)
+        self._end_ns = 0
+        self._body: deque[tuple[bytes, int]] = deque()
         self._buffered = 0
         self._paused = False
 
@@ -53,6 +60,7 @@ class Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        self._now = now_ns()
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -66,6 +74,7 @@ class Connection(asyncio.Protocol):
     def eof_received(self) -> bool:
         if self.headers_done and not self.complete and not self.length_known:
             self.complete = True  # a body delimited by the connection's end (no length, not chunked)
+            self._end_ns = now_ns()
         self._wake()
         return False
 
@@ -73,6 +82,7 @@ class Connection(asyncio.Protocol):
         self.closed = True
         if self.headers_done and not self.complete and not self.length_known and exc is None:
             self.complete = True
+            self._end_ns = now_ns()
         if not self.complete and self.error is None:
             detail = f": {exc}" if exc else ""
             self.error = (ReadError if exc else RemoteProtocolError)(f"the upstream closed the connection mid-response{detail}")
@@ -98,15 +108,17 @@ class Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
         self.headers_done = True
+        self.headers_ns = self._now
         self._wake()
 
     def on_body(self, body: bytes) -> None:
-        self._body.append(body)
+        self._body.append((body, self._now))
         self._buffered += len(body)
         self._wake()
 
     def on_message_complete(self) -> None:
         self.complete = True
+        self._end_ns = self._now
         self.keep_alive = self.parser.should_keep_alive()
         self._wake()
 
@@ -160,16 +172,17 @@ class Connection(asyncio.Protocol):
         self.complete, self.keep_alive = True, False
 
     async def read(self) -> bytes:
-        """The next piece of the body as it came off the wire; b"" at its end."""
+        """The next piece of the body as it came off the wire (b"" at its end); `read_ns` says when it was read."""
         while True:
             if self._body:
-                data = self._body.popleft()
+                data, self.read_ns = self._body.popleft()
                 self._buffered -= len(data)
                 if self._paused and self._buffered < LOW_WATER and self.transport is not None:
                     self._paused = False
                     self.transport.resume_reading()
                 return data
             if self.complete:
+                self.read_ns = self._end_ns
                 return b""
             if self.error is not None:
                 raise self.error

@@ -27,6 +27,7 @@ from .engine import from_llamacpp, from_tgi, from_vllm
 from .errors import ModelNotRouted, ProxyError, ProxyOverloaded, TransportError, UpstreamTimeout, map_transport_error
 from .reader import Reader
 from .request import ClientGone, check_request, filter_headers, header, read_body
+from .server import STAMPS
 from .framing import framer
 from .telemetry import RequestContext
 from .timing import RequestTiming, now_ns
@@ -64,7 +65,9 @@ class Exchange:
 
     def __init__(self, app: AppView, scope: Scope, receive: Receive, send: Send) -> None:
         self.app, self.scope, self.receive, self.send = app, scope, receive, send
-        received = now_ns()
+        # When the protocol read the request's first byte (server.py); another ASGI server: now.
+        self.stamps: dict[str, int] = scope.get("extensions", {}).get(STAMPS) or {"first_byte_ns": now_ns(), "body_end_ns": 0}
+        received = self.stamps["first_byte_ns"]
         self.t = RequestTiming(received_ns=received)
         self.ctx = RequestContext(self.t, time.time_ns() - received)
         self.relaying = False
@@ -92,7 +95,7 @@ class Exchange:
             admitted = True
             check_request(self.scope, app.client_keys)
             body = await read_body(self.scope, self.receive, app.settings)
-            t.body_end_ns = now_ns()
+            t.body_end_ns = self.stamps["body_end_ns"] or now_ns()  # its last byte read off the socket
             watcher = asyncio.create_task(self._watch(task))
             await self._relay(body)
         except ClientGone:
@@ -299,19 +302,27 @@ class Exchange:
         t, send, rewrite, json_body = self.t, self.send, self.rewrite, self.json_body
         upstream = self.upstream
         assert upstream is not None  # (a response is only streamed from the upstream the router chose)
+        # The inter-chunk limit is moved at most once per `grace` (idle/16), to `idle + grace` ahead:
+        # a stream is cut after between idle and 17/16 idle of silence, and a chunk costs no timer.
         loop, idle = asyncio.get_running_loop(), upstream.read_timeout
-        kept, decoding, read = 0, bool(t.content_ns), response.read
+        grace = idle / 16
+        kept, decoding, read, moved = 0, bool(t.content_ns), response.read, 0.0
         framed = reader is not None and reader.decoder is not None
         while chunk := await read():
-            now = now_ns()
-            if decoding and silence is not None:  # after the first token, the (shorter) inter-chunk limit
-                silence.reschedule(loop.time() + idle)
+            now = response.read_ns  # when the bytes came off the socket (connection.py), not when this task woke
+            if decoding and silence is not None and (at := loop.time()) > moved:  # after the first token, the inter-chunk limit
+                silence.reschedule(at + idle + grace)
+                moved = at + grace
             self.sending = True
+            # `sent`: as the bytes are handed to the server (as for the last byte: a client the kernel
+            # runs first once woken, on this busy machine, is not the proxy's own time)
             if rewrite:
                 out = reader.rewrite(chunk, now)  # type: ignore[union-attr]
+                sent = 0 if decoding else now_ns()
                 if out:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
             else:
+                sent = 0 if decoding else now_ns()
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 if framed:
                     reader.feed(chunk, now)  # type: ignore[union-attr]
@@ -319,10 +330,13 @@ class Exchange:
                     json_body.append(chunk)
                     kept += len(chunk)
             self.sending = False
-            if not decoding and t.content_ns and silence is not None:
-                decoding = True
-                silence.reschedule(loop.time() + idle)
-        t.upstream_end_ns = now = now_ns()
+            if not decoding and t.content_ns:  # this read held the first token: when it was handed on
+                decoding, t.first_sent_ns = True, sent
+                if silence is not None:
+                    at = loop.time()
+                    silence.reschedule(at + idle + grace)
+                    moved = at + grace
+        t.upstream_end_ns = now = response.read_ns or now_ns()
         self.sending = True  # the upstream is done: a timeout from here on is the client's
         if reader is not None and (out := reader.flush(now, rewrite)):
             await send({"type": "http.response.body", "body": out, "more_body": True})

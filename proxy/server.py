@@ -3,7 +3,11 @@
 uvicorn bounds idle keep-alive connections but not the time a client takes to send its request
 headers, so a client trickling one header byte a second holds a connection forever (slowloris).
 `GuardedHttpTools` closes a connection whose headers are not complete `--header-timeout` seconds
-after it opened or after its request began. On SIGTERM uvicorn stops accepting connections at
+after it opened or after its request began. It also stamps, in the protocol callback, when a
+request's first byte and its body's last byte were read off the socket (`STAMPS` in the scope's
+extensions): the request's `received_ns` and the end of the client's upload. Stamped when the
+request's task first runs instead, a burst's later requests would hide the time they waited
+behind the earlier ones, which is the proxy's own time. On SIGTERM uvicorn stops accepting connections at
 once and lets in-flight requests finish for `--shutdown-grace` seconds. The event loop is uvloop
 with our own listener (`acceptor.py`).
 """
@@ -19,8 +23,10 @@ from typing import Any
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from .config import Settings
+from .timing import now_ns
 
 HEADER_TIMEOUT_ENV = "LLMPROXY_HEADER_TIMEOUT"
+STAMPS = "llmproxy.stamps"  # scope["extensions"][STAMPS] = {"first_byte_ns": ..., "body_end_ns": ... or 0} (monotonic)
 log = logging.getLogger("llmproxy.server")
 
 
@@ -30,9 +36,15 @@ class GuardedHttpTools(HttpToolsProtocol):
     header_timeout = 10.0  # replaced from the environment in each process (workers too)
 
     def connection_made(self, transport: Any) -> None:
+        self._read_ns = now_ns()
         super().connection_made(transport)
         self._header_timer: asyncio.TimerHandle | None = None
+        self._stamps: dict[object, object] = {}
         self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        self._read_ns = now_ns()
+        super().data_received(data)
 
     def _arm(self) -> None:
         if self._header_timer is not None:
@@ -47,7 +59,13 @@ class GuardedHttpTools(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self._stamps = {"first_byte_ns": self._read_ns, "body_end_ns": 0}
+        self.scope["extensions"] = {STAMPS: self._stamps}
         self._arm()
+
+    def on_message_complete(self) -> None:
+        self._stamps["body_end_ns"] = self._read_ns
+        super().on_message_complete()
 
     def on_headers_complete(self) -> None:
         if self._header_timer is not None:

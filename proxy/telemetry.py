@@ -77,7 +77,7 @@ def record_dict(ctx: RequestContext, b: Breakdown) -> dict[str, Any]:
         "prefill_tokens_per_second": b.prefill_tokens_per_second,
         "phases_s": b.phases,
         "reasoning_estimated": "reasoning" in b.phases,
-        "proxy_before_after_s": [b.proxy_before_s, b.proxy_after_s],
+        "proxy_parts_s": {"before": b.proxy_before_s, "first_token": b.proxy_first_s, "after": b.proxy_after_s},
         "dominant_phase": b.dominant,
         "connect_s": b.connect,
         "pool_wait_s": b.pool_wait_s,

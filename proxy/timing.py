@@ -12,15 +12,20 @@ exactly once, when the request ends, whatever the ending. Definitions (the READM
   (reported in usage, never streamed) are not in any chunk, so never in decode.
 - phases, which sum to the end-to-end duration:
   client    = request received -> request body fully read (the client's upload)
-  proxy     = (body read -> upstream request issued) + (upstream stream ended -> last byte relayed)
+  proxy     = (body read -> upstream request issued) + (first content chunk read -> handed to
+              the server's send) + (upstream stream ended -> last byte handed to the server's send)
   network   = pool wait + DNS + TCP + TLS + request upload + one RTT
   tokenize  = the proxy's tokenizer CPU time for this prompt, standing for the server's own
   reasoning = hidden reasoning tokens / the request's own decode rate (an estimate)
   prefill   = ttft - all of the above (the server's queue + prefill)
-  decode    = upstream stream ended - first content chunk (decode plus the closing chunks)
+  decode    = upstream stream ended - first content chunk handed on (decode plus the closing chunks)
   Non-streaming responses have no first chunk: their server time is the phase `server`.
   network, tokenize and reasoning are capped so that prefill is never negative and the sum stays
-  exact. When the engine reports its own timings, `prefill` becomes the engine's prompt
+  exact. Instants are taken where the bytes are read: the request's first byte and its body's last
+  in the server protocol (server.py), each upstream piece in the upstream protocol (connection.py),
+  never when a task wakes, so time the event loop spent on other requests is the proxy's own.
+  What none of them can see: a connection waiting in the kernel's accept queue, and bytes waiting
+  in a socket buffer while the loop is busy. When the engine reports its own timings, `prefill` becomes the engine's prompt
   processing time, `load` its model load (Ollama) and the rest of it `queue`; `server` splits into
   queue, load, prefill and decode.
 """
@@ -73,6 +78,7 @@ class RequestTiming:
     send_start_ns: int | None = None  # request headers start going out
     sent_ns: int | None = None  # request body sent (the upload is network time)
     headers_ns: int | None = None
+    first_sent_ns: int | None = None  # the first content chunk handed to the server's send
     rtt_s: float | None = None  # kernel smoothed RTT of the connection used (TCP_INFO)
     # body: one entry per (content chunk, choice with text in it)
     content_ns: list[int] = field(default_factory=list)
@@ -147,7 +153,8 @@ class Breakdown:
     inter_token_s: list[float]
     choice_decode_tps: list[float] = field(default_factory=list)  # per choice with a decode window
     choices: int = 0  # choices that streamed content
-    proxy_before_s: float = 0.0  # the proxy phase, split: before the upstream request was issued
+    proxy_before_s: float = 0.0  # the proxy phase, split: before the upstream request was issued,
+    proxy_first_s: float = 0.0  # relaying the first content chunk (on the client's TTFT),
     proxy_after_s: float = 0.0  # and after the upstream stream ended
 
     @property
@@ -210,6 +217,7 @@ def split(t: RequestTiming) -> Breakdown:
     upstream_end = t.upstream_end_ns if t.upstream_end_ns is not None else end_ns
     proxy_after = max(0, end_ns - max(upstream_end, body_end)) / NS
     phases = {"client": client, "proxy": proxy_before + proxy_after}
+    proxy_first = 0.0
     tokenize = t.tokenize_prompt_s or 0.0
     if t.issued_ns is None:  # refused or failed before anything went upstream: the proxy's own time
         phases["proxy"] = max(0.0, e2e - client)
@@ -224,7 +232,10 @@ def split(t: RequestTiming) -> Breakdown:
             phases["reasoning"] = min(rest, hidden / decode_tps)
             rest -= phases["reasoning"]
         phases["prefill"] = rest
-        phases["decode"] = max(0, upstream_end - first) / NS
+        decode_window = max(0, upstream_end - first) / NS
+        proxy_first = min(decode_window, _s(first, t.first_sent_ns) or 0.0)  # (the end read with it: the rest is after)
+        phases["proxy"] += proxy_first
+        phases["decode"] = decode_window - proxy_first
     else:
         budget = max(0.0, e2e - client - phases["proxy"])
         network = min(network, budget)
@@ -248,5 +259,6 @@ def split(t: RequestTiming) -> Breakdown:
         choice_decode_tps=rates,
         choices=len(sequences),
         proxy_before_s=proxy_before,
+        proxy_first_s=proxy_first,
         proxy_after_s=proxy_after,
     )

@@ -131,9 +131,9 @@ class Upstream:
                         await connection.drain()
                 except TimeoutError:
                     raise WriteTimeout("timed out sending the request") from None
-            timing.sent_ns = now_ns()
+            sent = timing.sent_ns = now_ns()
             await connection.response_head()
-            timing.headers_ns = now_ns()
+            timing.headers_ns = max(sent, connection.headers_ns)  # read off the socket, not when this task woke
         except BaseException:
             self._slots.release()
             if connection is not None:

@@ -22,6 +22,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
 
+from proxy.server import GuardedHttpTools
 from proxy.app import ProxyApp
 from proxy.config import Settings
 from proxy.demo import free_port, wait_healthy
@@ -131,7 +132,7 @@ class ProxyServer:
         provider.add_span_processor(self.spans)
         self.registry = CollectorRegistry()
         self.app = ProxyApp(self.settings, registry=self.registry, tracer_provider=provider)
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, loop="proxy.acceptor:new_event_loop", http="httptools",
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, loop="proxy.acceptor:new_event_loop", http=GuardedHttpTools,
                                 timeout_graceful_shutdown=self.settings.shutdown_grace,
                                 log_level="warning", access_log=False, server_header=False, date_header=False, proxy_headers=False)
         self.server = uvicorn.Server(config)

@@ -35,7 +35,8 @@ def test_phase_and_outcome_names_match():
 
 def test_definitions_are_quoted_exactly():
     for line in (
-        "- `ttft` = first content chunk of any choice − request received by the proxy.",
+        "- `ttft` = first content chunk of any choice read by the proxy − the request's first byte read by",
+        "  - `proxy` — the proxy's own time: body read → upstream request issued, plus the first content",
         "- **Each choice is its own sequence** (`n > 1`). Per choice: its *decode tokens* are the tokens in",
         "- `decode` (`decode_s`) = last content chunk − first content chunk.",
         "  reasoning streamed): the phase `reasoning` = hidden tokens ÷ the request's own measured decode",

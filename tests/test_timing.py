@@ -53,6 +53,28 @@ def test_phases_follow_the_definitions_and_sum_to_the_total():
     assert b.dominant == "prefill"
 
 
+def test_relaying_the_first_token_is_the_proxys_time_not_decode():
+    t = streaming_record()
+    t.first_sent_ns = 210 * MS + 300_000  # the first content chunk took 0.3 ms to hand to the client's socket
+    b = split(t)
+    assert b.proxy_first_s == pytest.approx(0.0003)
+    assert b.phases["proxy"] == pytest.approx(0.001 + 0.0003 + 0.001)
+    assert b.phases["decode"] == pytest.approx(0.231 - 0.210 - 0.0003)
+    assert b.ttft_s == pytest.approx(0.210)  # TTFT stays the read of the first token
+    assert sum(b.phases.values()) == pytest.approx(b.e2e_s, abs=1e-9)
+
+
+def test_first_token_relay_overlapping_the_end_is_counted_once():
+    t = streaming_record()
+    t.content_ns = [230 * MS]
+    t.upstream_end_ns = 230 * MS  # the end came in the same read as the only token
+    t.first_sent_ns = 231 * MS
+    b = split(t)
+    assert b.proxy_first_s == 0.0 and b.phases["decode"] == 0.0
+    assert b.phases["proxy"] == pytest.approx(0.001 + 0.002)  # the rest is the time after the upstream's end
+    assert sum(b.phases.values()) == pytest.approx(b.e2e_s, abs=1e-9)
+
+
 def test_reused_connection_has_no_connect_steps_and_uses_the_kernel_rtt():
     t = streaming_record()
     t.tcp_start_ns = t.tcp_end_ns = t.dns_start_ns = t.dns_end_ns = t.tls_start_ns = t.tls_end_ns = None

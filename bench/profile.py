@@ -1,0 +1,112 @@
+"""Where the proxy's CPU goes, by function, under one load shape: py-spy on the proxy process.
+
+    .venv/bin/python bench/profile.py --shape burst --streams 64          # bursts of 64 new streams
+    .venv/bin/python bench/profile.py --shape steady --streams 64         # 64 streams, closed loop
+    .venv/bin/python bench/profile.py --shape burst --fresh -- --token-spans off   # proxy flags after --
+
+The load is compare.py's (the raw client, the simulator at TTFT 20 ms then 100 tok/s); `--fresh`
+opens one connection per stream instead of keeping them. py-spy samples every thread of the
+proxy (`--native` off: Python frames) at `--rate` Hz while the load runs; the report is the
+share of samples by the innermost frame in a proxy, uvicorn, httpcore... module ("self"), and by
+any frame on the stack ("total"), so a line reads "x% of the proxy's CPU was under this".
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import compare  # noqa: E402
+
+from proxy.demo import free_port, serve_command  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+PY_SPY = str(Path(sys.executable).parent / "py-spy")
+
+
+async def load(target: tuple[int, str], shape: str, streams: int, seconds: float, fresh: bool, tokens: int) -> int:
+    if shape == "burst":
+        rounds = 0
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            await compare.burst(target, streams, 1, fresh=fresh, tokens=tokens)
+            rounds += 1
+        return rounds
+    result = await compare.concurrent(target, streams, seconds, fresh=fresh)
+    return int(result["chunks"])
+
+
+def frames(line: str) -> tuple[list[str], int]:
+    stack, _, count = line.rpartition(" ")
+    return stack.split(";"), int(count)
+
+
+def report(raw: Path, top: int) -> None:
+    self_samples: collections.Counter[str] = collections.Counter()
+    total_samples: collections.Counter[str] = collections.Counter()
+    samples = 0
+    for line in raw.read_text().splitlines():
+        if not line.strip():
+            continue
+        stack, count = frames(line)
+        samples += count
+        names = [f.split(" (")[0] + " (" + f.split(" (")[1].split(":")[0].split("/")[-1] + ")" if " (" in f else f for f in stack]
+        self_samples[names[-1]] += count
+        for name in set(names):
+            total_samples[name] += count
+    print(f"{samples} samples")
+    for title, counter in (("self", self_samples), ("total", total_samples)):
+        print(f"\n## by {title}")
+        for name, count in counter.most_common(top):
+            print(f"{100 * count / max(1, samples):6.1f}%  {name}")
+
+
+def main() -> int:
+    argv = sys.argv[1:]
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", choices=["burst", "steady"], default="burst")
+    parser.add_argument("--streams", type=int, default=64)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--rate", type=int, default=250)
+    parser.add_argument("--fresh", action="store_true", help="one connection per stream")
+    parser.add_argument("--top", type=int, default=35)
+    parser.add_argument("--tokens", type=int, default=compare.SWEEP_TOKENS, help="per burst stream: 1 leaves only the per-request path")
+    parser.add_argument("--native", action="store_true", help="C frames too (uvloop, libuv, the kernel entry points)")
+    parser.add_argument("--src", default=str(ROOT), help="the checkout to profile")
+    args = parser.parse_args(argv)
+    sim_port, port = free_port(), free_port()
+    compare.SIM_URL = f"http://127.0.0.1:{sim_port}"
+    sink = compare.Sink()
+    raw = Path(tempfile.mkdtemp()) / "profile.txt"
+    try:
+        with compare.process([sys.executable, "-m", "proxy", "simulate", "--port", str(sim_port)], f"{compare.SIM_URL}/health"):
+            compare.schedule(compare.SWEEP_SCHEDULE)
+            cmd = serve_command(args.src, "serve", "--upstream", f"{compare.SIM_URL}/v1", "--port", str(port), *extra)
+            with compare.process(cmd, f"http://127.0.0.1:{port}/healthz", {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.url}) as proc:
+                asyncio.run(load((port, "/v1"), args.shape, args.streams, 2.0, args.fresh, args.tokens))  # warm
+                spy = subprocess.Popen([PY_SPY, "record", "--pid", str(proc.pid), "--rate", str(args.rate), "--format", "raw",
+                                        "--output", str(raw), "--duration", str(int(args.seconds)), "--threads", *(["--native"] if args.native else ["--nonblocking"])],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                before = compare.cpu_seconds(proc.pid)
+                done = asyncio.run(load((port, "/v1"), args.shape, args.streams, args.seconds, args.fresh, args.tokens))
+                cpu = compare.cpu_seconds(proc.pid) - before
+                spy.wait(timeout=60)
+        print(f"{args.shape}, {args.streams} streams, {'one connection per stream' if args.fresh else 'keep-alive'}: "
+              f"{done} {'rounds' if args.shape == 'burst' else 'chunks'}, proxy CPU {cpu:.2f} s")
+        report(raw, args.top)
+    finally:
+        sink.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

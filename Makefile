@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install prometheus chromium demo test test-fast test-vllm bench soak lock audit dashboards clean
+.PHONY: install prometheus chromium alertmanager demo test test-fast test-vllm bench soak lock audit dashboards clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +23,10 @@ prometheus:
 chromium:
 	scripts/ensure-debian-package.sh chromium chromium
 
-test: $(STAMP) prometheus chromium
+alertmanager:
+	scripts/ensure-debian-package.sh prometheus-alertmanager prometheus-alertmanager
+
+test: $(STAMP) prometheus chromium alertmanager
 	$(PY) -m mypy
 	$(PY) -m pytest
 

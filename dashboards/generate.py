@@ -41,6 +41,31 @@ LATENCY_VS_THROUGHPUT = (
 )
 
 
+# What to look at first, per alert: the dashboard panel (a title build() makes), `explain` and the
+# /ui filter (page filters: api, model, upstream, outcome). Written into rules.yml as each alert's
+# `first_look` annotation; a test checks every title, flag and filter exists.
+PANEL_PHASES = "Mean seconds per request, by phase"
+PANEL_DECODE = "Decode speed: per request vs aggregate"
+PANEL_OUTCOMES = "Requests by outcome and code"
+PANEL_OVERHEAD = "Proxy's own overhead (phase proxy)"
+PANEL_SHED = "Shed load: 503 proxy_overloaded, by reason"
+PANEL_FDS = "Open descriptors vs the limit"
+MODEL = "{{ $labels.model }}"
+UPSTREAM = "{{ $labels.upstream }}"
+INSTANCE = "{{ $labels.instance }}"
+FIRST_LOOK: dict[str, tuple[str, str, str]] = {  # alert: (panel, explain arguments, /ui query) ("" = none)
+    "LLMDecodeSpeedLow": (PANEL_DECODE, f"--model {MODEL} --since 1h", f"model={MODEL}&upstream={UPSTREAM}"),
+    "LLMDecodeSpeedDropped": (PANEL_DECODE, f"--model {MODEL} --since 1d", f"model={MODEL}&upstream={UPSTREAM}"),
+    "LLMTimeToFirstTokenHigh": (PANEL_PHASES, f"--model {MODEL} --since 1h", f"model={MODEL}&upstream={UPSTREAM}"),
+    "LLMUpstreamErrorRateHigh": (PANEL_OUTCOMES, "--since 1h", f"upstream={UPSTREAM}&outcome=upstream_error"),
+    "LLMProxyOverheadHigh": (PANEL_OVERHEAD, "--since 1h", f"upstream={UPSTREAM}"),
+    "LLMProxySaturated": (PANEL_SHED, "", "outcome=overloaded"),
+    "LLMProxyDescriptorsNearLimit": (PANEL_FDS, "", "outcome=overloaded"),
+    "LLMProxyDown": (PANEL_OUTCOMES, "", ""),
+    "LLMProxyMetricsAbsent": ("", "", ""),
+}
+
+
 def q(expr: str, legend: str, ref: str, instant: bool = False, fmt: str | None = None) -> prometheus.Dataquery:
     target = prometheus.Dataquery().expr(expr).legend_format(legend).ref_id(ref).datasource(DS)
     if instant:
@@ -87,7 +112,7 @@ def build() -> dict:
 
     per_request = f"scalar(sum(rate(llmproxy_request_duration_seconds_count{{{SEL}}}[{RI}])))"
     d = d.with_row(Row("Where the time goes"))
-    d = d.with_panel(ts("Mean seconds per request, by phase", "s", [
+    d = d.with_panel(ts(PANEL_PHASES, "s", [
         q(f"sum by (phase) (rate(llmproxy_phase_seconds_total{{{SEL}}}[{RI}])) / {per_request}", "{{phase}}", "A")], 0, 1,
         description=("Stacked, successful requests: the phases sum to the mean end-to-end duration. decode dominates short prompts; "
                      "prefill dominates very long ones. client is the client's own upload; reasoning is a reasoning model's hidden "
@@ -102,7 +127,7 @@ def build() -> dict:
     d = d.with_panel(ts("End-to-end duration", "s", quantiles("llmproxy_request_duration_seconds", SEL), 12, 10))
 
     d = d.with_row(Row("Latency vs throughput"))
-    d = d.with_panel(ts("Decode speed: per request vs aggregate", "short", [
+    d = d.with_panel(ts(PANEL_DECODE, "short", [
         q(f"histogram_quantile(0.5, sum by (le) (rate(llmproxy_decode_tokens_per_second_bucket{{{SEL}}}[{RI}])))", "per request p50 (tok/s)", "A"),
         q(f"histogram_quantile(0.1, sum by (le) (rate(llmproxy_decode_tokens_per_second_bucket{{{SEL}}}[{RI}])))", "per request p10 (tok/s)", "B"),
         q(f'sum(rate(llmproxy_tokens_total{{{SEL_MODEL}, kind="completion"}}[{RI}]))', "aggregate output (tok/s)", "C"),
@@ -143,24 +168,24 @@ def build() -> dict:
         16, 45, w=8, description="Prefill works on uncached prompt tokens only; hidden reasoning tokens are generated before the first visible token and never streamed."))
 
     d = d.with_row(Row("Requests and the proxy itself"))
-    d = d.with_panel(ts("Requests by outcome and code", "reqps", [
+    d = d.with_panel(ts(PANEL_OUTCOMES, "reqps", [
         q(f"sum by (outcome, code) (rate(llmproxy_requests_total{{{SEL}}}[{RI}]))", "{{outcome}} {{code}}", "A")], 0, 54, w=8))
     d = d.with_panel(stat.Panel().title("In flight").datasource(DS).grid_pos(GridPos(h=8, w=4, x=8, y=54))
                      .with_target(q(f"sum(llmproxy_requests_in_flight{{{UP}}})", "in flight", "A")))
-    d = d.with_panel(ts("Proxy's own overhead (phase proxy)", "s", quantiles("llmproxy_proxy_overhead_seconds", 'upstream=~"$upstream", endpoint=~"$endpoint"')[::2], 12, 54, w=6,
+    d = d.with_panel(ts(PANEL_OVERHEAD, "s", quantiles("llmproxy_proxy_overhead_seconds", 'upstream=~"$upstream", endpoint=~"$endpoint"')[::2], 12, 54, w=6,
                         description="Not by model: the proxy's own time does not depend on it."))
     d = d.with_panel(ts("Telemetry errors", "short", [
         q(f"sum by (component) (rate(llmproxy_telemetry_errors_total[{RI}]))", "{{component}}", "A")], 18, 54, w=6,
         description="Failures inside metrics, tracing, tokenizer or records. Requests were unaffected, but numbers may be missing."))
 
-    d = d.with_panel(ts("Shed load: 503 proxy_overloaded, by reason", "reqps", [
+    d = d.with_panel(ts(PANEL_SHED, "reqps", [
         q(f"sum by (reason) (rate(llmproxy_requests_rejected_total{{{UP}}}[{RI}]))", "rejected: {{reason}}", "A"),
         q(f"sum by (reason) (rate(llmproxy_accept_pauses_total[{RI}]))", "accept paused: {{reason}}", "B"),
         q("sum(llmproxy_requests_in_flight) / sum(llmproxy_max_in_flight > 0)", "in flight / --max-in-flight (all replicas)", "C")], 0, 62, w=6,
         description="Requests the proxy refused itself (never the upstream's fault): max_in_flight is admission control "
                     "(--max-in-flight), descriptors/ports/memory are exhaustion while accepting or connecting. Accept pauses: "
                     "the listener waited 50 ms for a free descriptor while clients queued in the listen backlog."))
-    d = d.with_panel(ts("Open descriptors vs the limit", "short", [
+    d = d.with_panel(ts(PANEL_FDS, "short", [
         q("sum by (instance) (llmproxy_open_fds)", "open {{instance}}", "A"),
         q("sum by (instance) (llmproxy_max_fds)", "limit {{instance}}", "B")], 6, 62, w=6,
         description="Each request holds a client and an upstream socket. The proxy raises its soft RLIMIT_NOFILE to the hard one at start; "
@@ -204,7 +229,7 @@ def prometheus_rule() -> str:
     """The Prometheus Operator's PrometheusRule, from the one rules file (its groups, unchanged)."""
     import yaml
 
-    groups = yaml.safe_load(RULES.read_text())["groups"]
+    groups = yaml.safe_load(with_first_looks(RULES.read_text()))["groups"]
     resource = {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule",
                 "metadata": {"name": "llm-latency-proxy", "labels": {"prometheus": "k8s", "role": "alert-rules"}},
                 "spec": {"groups": groups}}
@@ -221,9 +246,61 @@ def dashboard_configmap(dashboard: str) -> str:
     return HEADER.format(source="dashboards/generate.py") + yaml.safe_dump(resource, sort_keys=False, width=200)
 
 
+def first_look(alert: str) -> str:
+    panel, explain, ui = FIRST_LOOK[alert]
+    steps = []
+    if panel:
+        steps.append(f"the dashboard panel '{panel}'")
+    if explain:
+        steps.append(f"`llm-latency-proxy explain {explain}` (the fitted split on the proxy's records)")
+    if ui:
+        if alert in ("LLMProxySaturated", "LLMProxyDescriptorsNearLimit"):
+            steps.append(f"the requests themselves: http://{INSTANCE}/ui?{ui}")
+        else:
+            steps.append(f"the requests themselves: /ui?{ui} on any replica")
+    if alert == "LLMProxyDown":
+        steps.append(f"http://{INSTANCE}/healthz and the process's logs")
+    if alert == "LLMProxyMetricsAbsent":
+        steps.append("Prometheus' /targets page for job llm-latency-proxy")
+    return "First look: " + "; then ".join(steps) + "."
+
+
+def with_first_looks(text: str) -> str:
+    """rules.yml with each alert's `first_look` annotation (re)written after its runbook line; the
+    file stays hand-edited YAML with its comments, only those lines are the generator's."""
+    out: list[str] = []
+    alert = ""
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("- alert: "):
+            alert = stripped.split(": ", 1)[1]
+        if stripped.startswith("first_look: "):
+            continue
+        out.append(line)
+        if alert and stripped.startswith("runbook: "):
+            indent = line[:len(line) - len(line.lstrip())]
+            out.append(f"{indent}first_look: {json.dumps(first_look(alert), ensure_ascii=False)}")
+    return "\n".join(out) + "\n"
+
+
+# The test copy of the rules (tests/test_alerts.py): the one source with its durations shortened so
+# the whole alert chain runs in about a minute. Windows keep their order (5m < 1h < the 1d offset)
+# and every `for` stays shorter than the window it watches; a test checks nothing else differs.
+SCALED_WINDOWS = {"5m": "8s", "1h": "12s", "1d": "28s"}
+SCALED_FOR = {"2m": "2s", "5m": "3s", "10m": "4s", "15m": "4s"}
+
+
+def scaled_rules(text: str) -> str:
+    import re
+
+    text = re.sub(r"\[(\w+)\]", lambda m: f"[{SCALED_WINDOWS[m.group(1)]}]", text)
+    text = re.sub(r"\boffset (\w+)", lambda m: f"offset {SCALED_WINDOWS[m.group(1)]}", text)
+    return re.sub(r"^(\s*for: )(\w+)$", lambda m: m.group(1) + SCALED_FOR[m.group(2)], text, flags=re.M)
+
+
 def outputs() -> dict[Path, str]:
     text = render()
-    return {OUTPUT: text, KUBERNETES / "prometheusrule.yaml": prometheus_rule(),
+    return {OUTPUT: text, RULES: with_first_looks(RULES.read_text()), KUBERNETES / "prometheusrule.yaml": prometheus_rule(),
             KUBERNETES / "grafana-dashboard-configmap.yaml": dashboard_configmap(text)}
 
 

@@ -69,7 +69,7 @@ class Exchange:
         self.stamps: dict[str, int] = scope.get("extensions", {}).get(STAMPS) or {"first_byte_ns": now_ns(), "body_end_ns": 0}
         received = self.stamps["first_byte_ns"]
         self.t = RequestTiming(received_ns=received)
-        self.ctx = RequestContext(self.t, time.time_ns() - received)
+        self.ctx = RequestContext(self.t, time.time_ns() - now_ns())  # the wall clock less the monotonic one
         self.relaying = False
         self.client_gone = False
         self.started = False  # http.response.start went to the client

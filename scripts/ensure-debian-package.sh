@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs a Debian package when any of the commands it provides is missing.
 #   scripts/ensure-debian-package.sh PACKAGE COMMAND [COMMAND ...]
-# (prometheus: prometheus + promtool, for the dashboards' tests; chromium: the waterfall page's test)
+# (prometheus: prometheus + promtool, for the dashboards' tests; chromium: the waterfall page's test;
+#  prometheus-alertmanager: the alert chain's test)
 set -euo pipefail
 package=$1
 shift

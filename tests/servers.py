@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import shutil
 import os
 import resource
 import socket
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
+import yaml
 import uvicorn
 from opentelemetry.trace import SpanKind
 from opentelemetry.sdk.trace import TracerProvider
@@ -252,3 +254,48 @@ def raw_upstream(writes: list[bytes], gap_s: float = 0.0, **kwargs: Any) -> Iter
         yield upstream
     finally:
         upstream.stop()
+
+
+class Prometheus:
+    """Debian's Prometheus scraping `targets` every second with `rule_file`, optionally sending
+    alerts to an Alertmanager (re-sent every second, so a resolved alert reaches it at once)."""
+
+    def __init__(self, workdir: Path, targets: list[str], rule_file: Path, alertmanager: str = "") -> None:
+        exe = shutil.which("prometheus")
+        assert exe, "prometheus missing: run `make test` (it installs Debian's prometheus package)"
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"}, "rule_files": [str(rule_file)],
+                  "scrape_configs": [{"job_name": "llm-latency-proxy", "static_configs": [{"targets": targets}]}]}
+        if alertmanager:
+            config["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": [alertmanager]}]}]}
+        (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
+        self.process = subprocess.Popen(
+            [exe, f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'data'}",
+             f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn", "--rules.alert.resend-delay=1s"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"{self.url}/-/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline and self.process.poll() is None, "prometheus did not start"
+            time.sleep(0.2)
+        # Service discovery hands targets to the scraper only after a few seconds: wait for a scrape of each.
+        while len(self.query("up == 1")["result"]) < len(targets):
+            assert time.monotonic() < deadline, "prometheus never scraped the proxy"
+            time.sleep(0.2)
+
+    def query(self, expr: str) -> dict[str, Any]:
+        body = httpx.get(f"{self.url}/api/v1/query", params={"query": expr}, timeout=10).json()
+        assert body["status"] == "success", (expr, body)
+        return body["data"]
+
+    def alerts(self) -> list[dict[str, Any]]:
+        return httpx.get(f"{self.url}/api/v1/alerts", timeout=10).json()["data"]["alerts"]
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=15)

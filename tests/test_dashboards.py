@@ -76,6 +76,49 @@ def test_every_alert_has_annotations_and_a_runbook():
     assert names <= tested
 
 
+def test_every_alert_says_what_to_look_at_first_and_each_pointer_exists():
+    """first_look (generated with the rules): a panel the dashboard has, `explain` flags the CLI
+    takes, /ui filters the page presets from its query."""
+    import re
+    from urllib.parse import parse_qsl
+
+    titles = {p["title"] for p in dashboard()["panels"]}
+    page = (ROOT / "proxy" / "waterfall.html").read_text()
+    filters = set(re.search(r"const FILTERS = \[([^\]]*)\]", page).group(1).replace('"', "").replace(" ", "").split(","))
+    for alert in (r for r in rules() if "alert" in r):
+        text = alert["annotations"]["first_look"]
+        assert text == generate.first_look(alert["alert"]).replace("\n", "")
+        panel, explain, ui = generate.FIRST_LOOK[alert["alert"]]
+        assert not panel or (f"'{panel}'" in text and panel in titles), alert["alert"]
+        if explain:
+            assert f"explain {explain}`" in text
+            args = parser().parse_args(["explain", *explain.replace("{{ $labels.model }}", "m").split()])
+            assert args.since and (args.model or "--model" not in explain)
+        if ui:
+            assert f"/ui?{ui}" in text
+            assert {k for k, _ in parse_qsl(ui)} <= filters, alert["alert"]
+        recorded = {r["record"]: r["expr"] for r in rules() if "record" in r}
+        expr = alert["expr"] + " ".join(e for name, e in recorded.items() if name in alert["expr"])
+        for label in re.findall(r"\$labels\.(\w+)", text):  # every label named is one the alert keeps
+            assert re.search(rf"\b(by|on) \([^)]*\b{label}\b", expr) or label in ("instance", "job"), (alert["alert"], label)
+    assert generate.with_first_looks(RULES.read_text()) == RULES.read_text()  # (committed as generated)
+
+
+def test_the_time_scaled_rules_differ_from_the_source_only_in_durations():
+    import re
+
+    source = RULES.read_text()
+    scaled = generate.scaled_rules(source)
+    durations = re.compile(r"(?<=\[)\w+(?=\])|(?<=offset )\w+|(?<=for: )\w+$", re.M)
+    assert durations.sub("D", scaled) == durations.sub("D", source)
+    assert scaled != source and not re.search(r"\[\d+[mhd]\]|offset \d+[mhd]|for: \d+[mhd]", scaled)
+    seconds = lambda d: int(d[:-1]) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[d[-1]]  # noqa: E731
+    windows = sorted(generate.SCALED_WINDOWS, key=seconds)
+    assert [seconds(generate.SCALED_WINDOWS[w]) for w in windows] == sorted(seconds(generate.SCALED_WINDOWS[w]) for w in windows)
+    for alert in (r for r in yaml.safe_load(scaled)["groups"][1]["rules"]):  # every `for` shorter than its window
+        assert seconds(alert["for"]) < min(seconds(w) for w in re.findall(r"\[(\w+)\]", alert["expr"]) or ["1h"])
+
+
 def promtool(*args: str) -> str:
     exe = shutil.which("promtool")
     assert exe, "promtool missing: run `make test` (it installs Debian's prometheus package)"

@@ -67,7 +67,12 @@ def ask(server: ProxyServer, lines: int, tokens: int = 16, stream: bool = True, 
 
 def test_openai_client_stream_and_non_stream(via):
     chunks = ask(via, 2)
-    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) >= 8
+    # The random tiny model's 16 tokens may end mid-UTF-8 character, which llama.cpp holds back
+    # (several tokens in one chunk, or none): what holds is that every content chunk the client
+    # got is one the proxy counted, and the engine generated 16 tokens.
+    content = sum(1 for c in chunks if c.choices and c.choices[0].delta.content)
+    streamed = via.last_record()
+    assert content >= 1 and streamed["content_chunks"] == content and streamed["engine"]["predicted_tokens"] == 16
     reply = ask(via, 2, stream=False)
     assert reply.usage.completion_tokens == 16 and reply.choices[0].message.content
     record = via.last_record()

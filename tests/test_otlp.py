@@ -87,8 +87,8 @@ def test_spans_exported_over_otlp_http(sim):
 
 def test_every_token_is_stamped_by_default_and_read_back_from_otlp(sim):
     """No flag: the decode span carries one offset per content chunk. Read back from a real OTLP/HTTP
-    export, each is within 1 ms of the simulator's schedule (a token every 20 ms after the first),
-    for chat and for the Responses API."""
+    export, each stamp, the first included, is where the simulator wrote that chunk (its own
+    monotonic clock, the same clock as the proxy's), for chat and for the Responses API."""
     receiver = Receiver()
     port = free_port()
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, "OTEL_BSP_SCHEDULE_DELAY": "100"}
@@ -96,7 +96,7 @@ def test_every_token_is_stamped_by_default_and_read_back_from_otlp(sim):
     schedule = {"x-sim-ttft-ms": "50", "x-sim-decode-tps": "50"}
     try:
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-test", max_retries=0)
-        sent = []  # when the upstream handed each content chunk over (its own clock): the ground truth
+        sent = []  # (monotonic s) just before and just after the upstream handed each content chunk over: the ground truth
         for _ in c.chat.completions.create(model="sim-7b", messages=[{"role": "user", "content": "x"}], max_tokens=20, stream=True,
                                            extra_headers=schedule):
             pass
@@ -110,25 +110,20 @@ def test_every_token_is_stamped_by_default_and_read_back_from_otlp(sim):
     finally:
         proxy.stop()
         receiver.server.shutdown()
+    wall_less_monotonic = statistics.median(time.time_ns() - time.monotonic_ns() for _ in range(9))  # one offset for every process
     decodes = [span for name, span, _ in receiver.spans() if name == "decode"]
-    stamps = sorted(([v.int_value for v in a.value.array_value.values] for span in decodes for a in span.attributes
-                     if a.key == "llmproxy.chunk.offsets_us"), key=len)
-    assert [len(s) for s in stamps] == [10, 20]  # the Responses API stream, then chat: one stamp per token
-    for offsets, truth in zip(stamps, sorted(sent, key=len)):
-        # Each stamp against when the upstream sent that chunk. The simulator knows that instant to
-        # lie between its clock readings just before and just after the write (a busy 2-core machine
-        # may preempt it in between): each stamp must be within 1 ms of that window. The stamps count
-        # from the first chunk's own arrival, whose lateness would shift them all alike, so that one
-        # common shift is fitted (the median) and bounded apart: within 3 ms. The sends themselves
-        # follow the schedule's 20 ms grid within the simulator's wake-up jitter here: 3 ms.
-        first_before, first_after = truth[0]
-        origin = (first_before + first_after) / 2
-        windows = [(round((before - origin) * 1e6), round((after - origin) * 1e6)) for before, after in truth]
-        shift = statistics.median(o - (lo + hi) / 2 for o, (lo, hi) in zip(offsets, windows))
-        assert abs(shift) <= 3000, (shift, list(zip(offsets, windows)))
-        assert all(lo - 1000 <= o - shift <= hi + 1000 for o, (lo, hi) in zip(offsets, windows)), (shift, list(zip(offsets, windows)))
-        grid = [round((before - origin) * 1e6) - k * 20_000 for k, (before, _) in enumerate(truth)]  # the simulator's wake-ups
-        assert all(abs(g - statistics.median(grid)) <= 3000 for g in grid), grid
+    stamped = sorted(([span.start_time_unix_nano - wall_less_monotonic + v.int_value * 1000 for v in a.value.array_value.values]
+                      for span in decodes for a in span.attributes if a.key == "llmproxy.chunk.offsets_us"), key=len)
+    assert [len(s) for s in stamped] == [10, 20]  # the Responses API stream, then chat: one stamp per token
+    for stamps, truth in zip(stamped, sorted(sent, key=len)):
+        # How late each stamp is after the write began (µs). A stamp cannot precede the write (a
+        # few µs of clock conversion aside); the proxy stamps each piece as the protocol reads it
+        # (connection.py), so the typical one is well under a millisecond late, the first chunk
+        # (TTFT's end) like the rest. The bound on every one leaves room for this 2-core machine's
+        # scheduler (another process on the CPU for a few ms; bench/stamps.py measures it apart).
+        late = [round((ns - before * 1e9) / 1000) for ns, (before, _) in zip(stamps, truth)]
+        assert all(delay >= -20 for delay in late), late
+        assert statistics.median(late) <= 500 and late[0] <= 3000 and max(late) <= 3000, late
     ttfts = [a.value.double_value for _, span, _ in receiver.spans() for a in span.attributes if a.key == "gen_ai.response.time_to_first_chunk"]
     assert len(ttfts) == 2 and all(abs(t - 0.050) < 0.010 for t in ttfts), ttfts  # and the first one where the schedule put it
     assert not [s for name, s, _ in receiver.spans() if name == "chunk"]  # no span per chunk by default

@@ -67,12 +67,14 @@ def test_the_waterfall_matches_the_records(proxy_factory, tmp_path):
             page.wait_for_function(f"document.querySelectorAll('.row').length === {everything}")
             ARTIFACT.parent.mkdir(exist_ok=True)
             page.screenshot(path=str(ARTIFACT), full_page=True)
-            # An alert's first_look link (/ui?outcome=...&upstream=...) opens the page filtered so.
-            failed = [r for r in proxy.records() if r["outcome"] == "upstream_error"]
-            page.goto(f"{proxy.url}/ui?outcome=upstream_error&upstream={failed[0]['upstream']}")
+            # An alert's first_look link (/ui?outcome=...&upstream=...) opens the page filtered so
+            # (api too: the browser's own /favicon.ico, relayed, is an upstream error of api other).
+            failed = [r for r in proxy.records() if r["outcome"] == "upstream_error" and r["api"] == "openai"]
+            page.goto(f"{proxy.url}/ui?outcome=upstream_error&api=openai&upstream={failed[0]['upstream']}")
             page.wait_for_selector("body[data-loaded=true]")
-            page.wait_for_function(f"document.querySelectorAll('.row').length === {len(failed)}")
-            assert page.input_value("#outcome") == "upstream_error" and len(failed) == 1
+            page.wait_for_function("document.querySelectorAll('.row').length === 1")
+            assert len(failed) == 1 and page.input_value("#outcome") == "upstream_error" and page.input_value("#api") == "openai"
+            assert page.input_value("#upstream") == failed[0]["upstream"]
         finally:
             browser.close()
     print(f"\n{len(rows)} bars, worst segment {worst:.3f} px off its record; screenshot {ARTIFACT}")

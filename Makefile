@@ -67,8 +67,10 @@ $(ENVOY_VENV)/.installed:
 # to the same run, for a before/after.
 BEFORE ?=
 bench: $(STAMP) $(LITELLM_VENV)/.installed $(ENVOY_VENV)/.installed
-	$(PY) -m pip install --quiet matplotlib aiohttp
+	$(PY) -m pip install --quiet matplotlib aiohttp py-spy granian
 	ENVOY=$(ENVOY_VENV)/bin/envoy LITELLM_PYTHON=$(LITELLM_VENV)/bin/python $(PY) bench/compare.py --out bench/results.json --plot bench/compare.png $(if $(BEFORE),--before $(BEFORE))
+	$(PY) bench/stamps.py
+	$(PY) bench/asgi_servers.py
 	$(PY) bench/clients.py
 	$(PY) bench/scrape.py
 	$(PY) bench/framing.py $(if $(BEFORE),--before $(BEFORE))

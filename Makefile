@@ -70,6 +70,7 @@ bench: $(STAMP) $(LITELLM_VENV)/.installed $(ENVOY_VENV)/.installed
 	$(PY) -m pip install --quiet matplotlib aiohttp py-spy granian
 	ENVOY=$(ENVOY_VENV)/bin/envoy LITELLM_PYTHON=$(LITELLM_VENV)/bin/python $(PY) bench/compare.py --out bench/results.json --plot bench/compare.png $(if $(BEFORE),--before $(BEFORE))
 	$(PY) bench/stamps.py
+	ENVOY=$(ENVOY_VENV)/bin/envoy $(PY) bench/hop.py
 	$(PY) bench/asgi_servers.py
 	$(PY) bench/clients.py
 	$(PY) bench/scrape.py

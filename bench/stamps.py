@@ -6,7 +6,7 @@
 
 The upstream is a raw HTTP server in its own process: per request an SSE role chunk, then
 `--chunks` content chunks `--gap-ms` apart, each noted with `time.monotonic_ns()` just before its
-`send`. The proxy's stamps come from its own records (`received_unix_ns` and `content_offsets_ms`;
+`send` (and the request's arrival, its body read whole: bench/hop.py uses both). The proxy's stamps come from its own records (`received_unix_ns` and `content_offsets_ms`;
 CLOCK_MONOTONIC is one clock for every process, the wall offset is read here). Each request has its
 own model name, so a record is matched to its upstream writes exactly. A stamp can only be late
 (the bytes exist once written): the delay is stamp − write, for the first content chunk (TTFT's
@@ -56,10 +56,14 @@ def serve(conn):
                 return
             buf += data
         head, _, buf = buf.partition(b"\r\n\r\n")
-        length = next(int(l.split(b":")[1]) for l in head.split(b"\r\n") if l.lower().startswith(b"content-length:"))
+        length = next((int(l.split(b":")[1]) for l in head.split(b"\r\n") if l.lower().startswith(b"content-length:")), 0)
+        if not length:  # a health check (a relay's own, through it): no body
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            continue
         while len(buf) < length:
             buf += conn.recv(65536)
         body, buf = json.loads(buf[:length]), buf[length:]
+        arrived = time.monotonic_ns()
         model = body["model"]
         conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
         conn.sendall(chunk(b'data: {"id":"x","object":"chat.completion.chunk","model":"%s","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n' % model.encode()))
@@ -73,7 +77,7 @@ def serve(conn):
         conn.sendall(chunk(b'data: {"id":"x","object":"chat.completion.chunk","model":"%s","choices":[{"index":0,"delta":{},"finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":%d,"total_tokens":%d}}\n\n' % (model.encode(), chunks, chunks + 3)))
         conn.sendall(chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
         with lock:
-            log.write(json.dumps({"model": model, "writes": writes}) + "\n")
+            log.write(json.dumps({"model": model, "arrived": arrived, "writes": writes}) + "\n")
 
 server = socket.socket()
 server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

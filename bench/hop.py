@@ -1,0 +1,146 @@
+"""What one relay hop adds to TTFT, measured at both ends of the upstream, so the upstream's own
+time (and its spread from run to run) is not in the figure.
+
+    .venv/bin/python bench/hop.py                  # direct, Envoy, this proxy (defaults, + tracing)
+    .venv/bin/python bench/hop.py --rounds 8 --burst 64
+
+The upstream is bench/stamps.py's: a raw HTTP server in its own process that notes when each
+request arrived (its body read whole) and when it began writing the first content chunk
+(`time.monotonic_ns()`, one clock for every process). The client (bench/rawclient.py) notes when it
+began (before the connect, on a new connection) and when the first content arrived. A request's
+hop time = (arrival at the upstream − client start) + (first content at the client − the
+upstream's write): the way there and the way back, without the upstream's TTFT. Direct is the floor
+of the same two legs (the kernel, the client's own event loop); a system's *added* time is its hop
+time less direct's. Shapes: sequential single requests; bursts of `--burst` requests started at
+once, on kept connections (keep-alive) and on new ones (one connection each), `--rounds` times.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import compare  # noqa: E402
+import stamps  # noqa: E402
+from rawclient import Connection  # noqa: E402
+
+from proxy.demo import free_port, serve_command  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+async def requests(port: int, prefix: str, tag: str, shape: str, burst: int, rounds: int, sequential: int) -> list[tuple[str, int, int]]:
+    """(model, client start ns, first content ns) per request."""
+    out: list[tuple[str, int, int]] = []
+
+    async def one(conn: Connection, model: str) -> None:
+        start, arrivals, status = await conn.stream({"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                                                     "stream_options": {"include_usage": True}})
+        if status == 200 and arrivals:
+            out.append((model, int(start * 1e9), int(arrivals[0] * 1e9)))
+
+    if shape == "sequential":
+        conn = Connection("127.0.0.1", port, prefix, {})
+        for i in range(sequential):
+            await one(conn, f"{tag}-{i}")
+        conn.close()
+        return out
+    conns = [Connection("127.0.0.1", port, prefix, {}) for _ in range(burst)]
+    for r in range(rounds + 1):  # (round 0 opens the kept connections, and is not counted)
+        await asyncio.gather(*(one(conn, f"{tag}-{r}-{i}" if r else f"warm-{tag}-{i}") for i, conn in enumerate(conns)))
+        if shape == "fresh":
+            for conn in conns:
+                conn.close()
+        await asyncio.sleep(0.3)
+    for conn in conns:
+        conn.close()
+    return [row for row in out if not row[0].startswith("warm-")]
+
+
+def hops(rows: list[tuple[str, int, int]], log: Path) -> list[float]:
+    upstream = {}
+    for line in log.read_text().splitlines():
+        entry = json.loads(line)
+        upstream[entry["model"]] = (entry["arrived"], entry["writes"][0])
+    return [((arrived - start) + (first - write)) / 1e6 for model, start, first in rows if model in upstream
+            for arrived, write in [upstream[model]]]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--burst", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--sequential", type=int, default=200)
+    parser.add_argument("--systems", nargs="+", default=["direct", "envoy", "defaults", "tracing"])
+    args = parser.parse_args()
+    upstream_port = free_port()
+    log = Path(tempfile.mkdtemp()) / "writes.jsonl"
+    upstream = subprocess.Popen([sys.executable, "-c", stamps.UPSTREAM, str(upstream_port), str(log), "3", "0.005", "0.030"])
+    sink = compare.Sink()
+    results: dict[str, dict[str, list[float]]] = {}
+    try:
+        for _ in range(50):
+            try:
+                socket.create_connection(("127.0.0.1", upstream_port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        for system in args.systems:
+            port = free_port()
+            if system == "direct":
+                target, context = upstream_port, None
+            elif system == "envoy":
+                config = Path(tempfile.mkdtemp()) / "envoy.yaml"
+                config.write_text(compare.ENVOY_CONFIG.format(port=port, sim_port=upstream_port))
+                target = port
+                context = compare.process([compare.ENVOY, "-c", str(config), "--concurrency", "1", "--log-level", "error", "--disable-hot-restart"],
+                                          f"http://127.0.0.1:{port}/health")
+            else:
+                target = port
+                cmd = serve_command(str(ROOT), "serve", "--upstream", f"http://127.0.0.1:{upstream_port}/v1", "--port", str(port))
+                context = compare.process(cmd, f"http://127.0.0.1:{port}/healthz",
+                                          {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.url} if system == "tracing" else {})
+            if context is not None:
+                context.__enter__()
+            try:
+                results[system] = {}
+                for shape in ("sequential", "keep-alive", "fresh"):
+                    tag = f"{system}-{shape}"
+                    print(f"[{system}] {shape}", flush=True)
+                    rows = asyncio.run(requests(target, "/v1", tag, shape, args.burst, args.rounds, args.sequential))
+                    time.sleep(0.5)  # the upstream's log is written as each stream ends
+                    results[system][shape] = hops(rows, log)
+            finally:
+                if context is not None:
+                    context.__exit__(None, None, None)
+    finally:
+        sink.close()
+        upstream.terminate()
+        upstream.wait(timeout=10)
+    pct = compare.pct
+    print("\n| system | shape | requests | hop p50 (ms) | hop p99 (ms) | added p50 / p99 (ms) | added ÷ Envoy's, p50 / p99 |\n|---|---|---|---|---|---|---|")
+    for system, shapes in results.items():
+        for shape, values in shapes.items():
+            base = results.get("direct", {}).get(shape) or [0.0]
+            added50, added99 = pct(values, 0.5) - pct(base, 0.5), pct(values, 0.99) - pct(base, 0.99)
+            envoy = results.get("envoy", {}).get(shape)
+            ratio = ""
+            if envoy and system not in ("direct", "envoy"):
+                e50, e99 = pct(envoy, 0.5) - pct(base, 0.5), pct(envoy, 0.99) - pct(base, 0.99)
+                ratio = f"{added50 / e50:.2f}× / {added99 / e99:.2f}×" if e50 > 0 and e99 > 0 else ""
+            print(f"| {system} | {shape} | {len(values)} | {pct(values, 0.5):.3f} | {pct(values, 0.99):.3f} | "
+                  f"{added50:.3f} / {added99:.3f} | {ratio} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -84,16 +82,10 @@ def main() -> int:
     args = parser.parse_args()
     upstream_port = free_port()
     log = Path(tempfile.mkdtemp()) / "writes.jsonl"
-    upstream = subprocess.Popen([sys.executable, "-c", stamps.UPSTREAM, str(upstream_port), str(log), "3", "0.005", "0.030"])
+    upstream = stamps.start_upstream(upstream_port, log, 3, 0.005, 0.030)
     sink = compare.Sink()
     results: dict[str, dict[str, list[float]]] = {}
     try:
-        for _ in range(50):
-            try:
-                socket.create_connection(("127.0.0.1", upstream_port), timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.1)
         for system in args.systems:
             port = free_port()
             if system == "direct":

@@ -89,6 +89,18 @@ while True:
 '''
 
 
+def start_upstream(port: int, log: Path, chunks: int, gap_s: float, ttft_s: float) -> subprocess.Popen[bytes]:
+    """The instrumented upstream in its own process, accepting connections when this returns."""
+    upstream = subprocess.Popen([sys.executable, "-c", UPSTREAM, str(port), str(log), str(chunks), str(gap_s), str(ttft_s)])
+    for _ in range(50):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.1)
+    return upstream
+
+
 def wall_offset_ns() -> int:
     """time.time_ns() - time.monotonic_ns(): both clocks are the system's, the same in every process."""
     samples = []
@@ -143,16 +155,9 @@ def pct(values: list[float], q: float) -> float:
 def run(src: str, label: str, args: argparse.Namespace, extra: list[str], sink: compare.Sink) -> list[dict[str, Any]]:
     upstream_port, port = free_port(), free_port()
     log = Path(tempfile.mkdtemp()) / "writes.jsonl"
-    upstream = subprocess.Popen([sys.executable, "-c", UPSTREAM, str(upstream_port), str(log), str(args.chunks),
-                                 str(args.gap_ms / 1000), str(args.ttft_ms / 1000)])
+    upstream = start_upstream(upstream_port, log, args.chunks, args.gap_ms / 1000, args.ttft_ms / 1000)
     rows = []
     try:
-        for _ in range(50):
-            try:
-                socket.create_connection(("127.0.0.1", upstream_port), timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.1)
         records_db = Path(tempfile.mkdtemp()) / "records.sqlite"
         cmd = serve_command(src, "serve", "--upstream", f"http://127.0.0.1:{upstream_port}/v1", "--port", str(port),
                             "--records-db", str(records_db), *extra)

@@ -147,11 +147,6 @@ def run_queue(pid: int) -> tuple[float, float]:
     return int(waited) / 1e9, int(ran) / 1e9
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
-
-
 def run(src: str, label: str, args: argparse.Namespace, extra: list[str], sink: compare.Sink) -> list[dict[str, Any]]:
     upstream_port, port = free_port(), free_port()
     log = Path(tempfile.mkdtemp()) / "writes.jsonl"
@@ -170,7 +165,8 @@ def run(src: str, label: str, args: argparse.Namespace, extra: list[str], sink: 
                 began = time.monotonic()
                 asyncio.run(drive(port, streams, requests, tag))
                 elapsed = time.monotonic() - began
-                waited, ran = run_queue(proc.pid)[0] - waited, run_queue(proc.pid)[1] - ran
+                after = run_queue(proc.pid)
+                waited, ran = after[0] - waited, after[1] - ran
                 time.sleep(1.0)  # the finisher and the records writer catch up
                 records = [r for r in httpx.get(f"http://127.0.0.1:{port}/llmproxy/requests", params={"limit": 5000}, timeout=30).json()
                            if r["model"].startswith(tag + "-")]
@@ -180,8 +176,8 @@ def run(src: str, label: str, args: argparse.Namespace, extra: list[str], sink: 
                     writes[entry["model"]] = entry["writes"]
                 first, later = delays(records, writes, wall_offset_ns())
                 rows.append({"system": label, "streams": streams, "requests": len(first),
-                             "first_p50_us": pct(first, 0.5), "first_p99_us": pct(first, 0.99), "first_max_us": max(first, default=float("nan")),
-                             "later_p50_us": pct(later, 0.5), "later_p99_us": pct(later, 0.99), "later_max_us": max(later, default=float("nan")),
+                             "first_p50_us": compare.pct(first, 0.5), "first_p99_us": compare.pct(first, 0.99), "first_max_us": max(first, default=float("nan")),
+                             "later_p50_us": compare.pct(later, 0.5), "later_p99_us": compare.pct(later, 0.99), "later_max_us": max(later, default=float("nan")),
                              # the event loop's thread: waiting for a CPU (runnable, not running), as a share of the run
                              "loop_runqueue_wait_pct": 100 * waited / elapsed, "loop_cpu_pct": 100 * ran / elapsed})
                 print(json.dumps(rows[-1]), flush=True)

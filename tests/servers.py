@@ -274,15 +274,8 @@ class Prometheus:
             [exe, f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'data'}",
              f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn", "--rules.alert.resend-delay=1s"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_healthy(f"{self.url}/-/ready", self.process, timeout=30)
         deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{self.url}/-/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline and self.process.poll() is None, "prometheus did not start"
-            time.sleep(0.2)
         # Service discovery hands targets to the scraper only after a few seconds: wait for a scrape of each.
         while len(self.query("up == 1")["result"]) < len(targets):
             assert time.monotonic() < deadline, "prometheus never scraped the proxy"

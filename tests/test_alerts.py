@@ -31,7 +31,7 @@ import pytest
 import yaml
 
 from dashboards_util import RULES
-from proxy.demo import free_port
+from proxy.demo import free_port, wait_healthy
 from servers import Process, Prometheus, Simulator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "dashboards"))
@@ -89,15 +89,7 @@ class Alertmanager:
             [exe, f"--config.file={workdir / 'alertmanager.yml'}", f"--storage.path={workdir / 'am'}",
              f"--web.listen-address=127.0.0.1:{self.port}", "--cluster.listen-address=", "--log.level=warn"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.port}/-/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline and self.process.poll() is None, "alertmanager did not start"
-            time.sleep(0.2)
+        wait_healthy(f"http://127.0.0.1:{self.port}/-/ready", self.process, timeout=30)
 
     def stop(self) -> None:
         self.process.terminate()
@@ -193,9 +185,6 @@ def test_alerts_fire_and_resolve_from_real_traffic_and_only_those(chain):
             stream(clients["small"], "fast-7b", 50, {"x-sim-ttft-ms": "20"})
         else:
             time.sleep(0.2)
-
-    def idle(at: float) -> None:
-        time.sleep(0.2)
 
     workers = [slow_model, slow_model, ttft_model, ttft_model, ttft_model, fast_model, slow_reader, leaver, flaky, flaky, *[crowd] * 6]
     threads = [threading.Thread(target=loop_until, args=(stop, work, t0), daemon=True) for work in workers]

@@ -87,7 +87,7 @@ def test_every_alert_says_what_to_look_at_first_and_each_pointer_exists():
     filters = set(re.search(r"const FILTERS = \[([^\]]*)\]", page).group(1).replace('"', "").replace(" ", "").split(","))
     for alert in (r for r in rules() if "alert" in r):
         text = alert["annotations"]["first_look"]
-        assert text == generate.first_look(alert["alert"]).replace("\n", "")
+        assert text == generate.first_look(alert["alert"])
         panel, explain, ui = generate.FIRST_LOOK[alert["alert"]]
         assert not panel or (f"'{panel}'" in text and panel in titles), alert["alert"]
         if explain:

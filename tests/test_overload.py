@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from servers import ROOT, Process, Simulator, descriptors_exhausted, scraped
+from servers import ROOT, Process, Simulator, descriptors_exhausted, scraped, sockets_to
 from proxy.demo import free_port
 
 sys.path.insert(0, str(ROOT / "bench"))
@@ -133,7 +133,7 @@ def test_max_in_flight_sheds_the_excess_at_once_and_admitted_streams_finish(prox
     assert proxy.app.admission.in_flight == 0
 
 
-def test_running_out_of_descriptors_while_connecting_is_503(proxy_factory):
+def test_running_out_of_descriptors_while_connecting_is_503(proxy_factory, sim):
     """The kernel's own EMFILE on the upstream connect: this process's soft limit is lowered to its
     highest open descriptor and every free one below is taken, so the proxy's next socket() fails,
     while the client reuses its connection to the proxy (no new descriptor on that side)."""
@@ -141,6 +141,13 @@ def test_running_out_of_descriptors_while_connecting_is_503(proxy_factory):
     with httpx.Client(base_url=proxy.v1, timeout=10) as client:
         body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
         assert client.post("/chat/completions", json=body).status_code == 200
+        # The client has its answer before the proxy's loop closes the upstream socket (a closed
+        # transport's descriptor goes on the loop's next turn): one closed after the block took
+        # every free descriptor would be the proxy's to reuse.
+        deadline = time.monotonic() + 5
+        while sockets_to(sim.port) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert sockets_to(sim.port) == 0
         with descriptors_exhausted():  # the proxy's next socket() is EMFILE
             refused = client.post("/chat/completions", json=body)
         assert refused.status_code == 503, refused.text

@@ -110,6 +110,41 @@ def descriptors_exhausted(spare: int = 0) -> Iterator[None]:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
+# How late a stamp may be when another process holds the CPU: on 2 cores with the client, the proxy,
+# the simulator and a test runner all busy, a scheduler slice (a few ms, seen up to 4 under an extra
+# CPU hog). The typical stamp is ~0.1 ms late (bench/stamps.py); medians are held to that.
+SCHEDULER_SLACK_S = 0.010
+
+
+class Delivered:
+    """What the simulator really did on its last stream, on its monotonic clock (the proxy's too). A
+    loaded machine starts a write some ms after the injected schedule; a figure held to the schedule
+    would fail on the machine, not on the proxy, so tests hold the proxy's figures to this."""
+
+    def __init__(self, stats: dict[str, Any]) -> None:
+        self.received: float = stats["last_received"]
+        self.writes: list[float] = [before for before, _ in stats["last_send_times"]]
+
+    @property
+    def ttft_s(self) -> float:
+        return self.writes[0] - self.received
+
+    def window_s(self, choice: int = 0, choices: int = 1) -> float:
+        """First to last content write of one choice (the simulator interleaves n choices' chunks)."""
+        writes = self.writes[choice::choices]
+        return writes[-1] - writes[0]
+
+    def holds_ttft(self, ttft_s: float) -> bool:
+        """The proxy's TTFT starts before the simulator's (the hop there) and ends after it (the read)."""
+        return -0.0001 <= ttft_s - self.ttft_s <= SCHEDULER_SLACK_S
+
+    def holds_rate(self, tokens_per_s: float, after: int, choice: int = 0, choices: int = 1) -> bool:
+        """`after` tokens (those after the first chunk) over the proxy's decode window is the
+        simulator's window, give or take a late stamp at either end: 5 ms, under the shortest gap
+        between tokens the tests inject (10 ms), so one token miscounted fails."""
+        return abs(after / tokens_per_s - self.window_s(choice, choices)) <= 0.005
+
+
 class Simulator:
     def __init__(self, *extra: str) -> None:
         self.port = free_port()
@@ -118,6 +153,9 @@ class Simulator:
 
     def stats(self) -> dict[str, Any]:
         return httpx.get(f"{self.url}/sim/stats").json()
+
+    def delivered(self) -> Delivered:
+        return Delivered(self.stats())
 
     def configure(self, **values: Any) -> None:
         httpx.post(f"{self.url}/sim/config", json=values).raise_for_status()

@@ -32,11 +32,12 @@ def test_a_compressed_stream_the_client_asked_for_is_measured_and_unchanged(prox
     with httpx.stream("POST", f"{proxy.v1}/chat/completions", json=body, headers=headers, timeout=30) as response:
         assert response.headers["content-encoding"] == encoding
         via = b"".join(response.iter_raw())
+    delivered = sim.delivered()
     with httpx.stream("POST", f"{sim.url}/v1/chat/completions", json=body, headers=headers, timeout=30) as response:
         direct = b"".join(response.iter_raw())
     assert via == direct  # (the simulator is deterministic: same request, same bytes)
     record = proxy.last_record()
-    assert record["ttft_s"] == pytest.approx(0.100, abs=0.010) and record["decode_tokens_per_second"] == pytest.approx(100.0, rel=0.03)
+    assert delivered.holds_ttft(record["ttft_s"]) and delivered.holds_rate(record["decode_tokens_per_second"], 19)
     assert record["content_chunks"] == 20 and record["completion_tokens"] == 20 and record["token_source"] == "usage"
     assert record["unmeasured"] == ""
 

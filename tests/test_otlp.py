@@ -11,7 +11,7 @@ import openai
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest, ExportTraceServiceResponse
 
-from servers import Process
+from servers import SCHEDULER_SLACK_S, Process
 from proxy.demo import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -123,7 +123,7 @@ def test_every_token_is_stamped_by_default_and_read_back_from_otlp(sim):
         # scheduler (another process on the CPU for a few ms; bench/stamps.py measures it apart).
         late = [round((ns - before * 1e9) / 1000) for ns, (before, _) in zip(stamps, truth)]
         assert all(delay >= -20 for delay in late), late
-        assert statistics.median(late) <= 500 and late[0] <= 3000 and max(late) <= 3000, late
+        assert statistics.median(late) <= 500 and max(late) <= SCHEDULER_SLACK_S * 1e6, late
     ttfts = [a.value.double_value for _, span, _ in receiver.spans() for a in span.attributes if a.key == "gen_ai.response.time_to_first_chunk"]
     assert len(ttfts) == 2 and all(abs(t - 0.050) < 0.010 for t in ttfts), ttfts  # and the first one where the schedule put it
     assert not [s for name, s, _ in receiver.spans() if name == "chunk"]  # no span per chunk by default

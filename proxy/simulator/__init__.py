@@ -88,10 +88,12 @@ class SimStats:
         # For each content chunk of the last stream: monotonic instants just before and just after it
         # was handed to the server (it went out in between).
         self.last_send_times: list[tuple[float, float]] = []
+        self.last_received = 0.0  # when the last generation request reached the app (its schedule's zero)
 
     def as_dict(self) -> dict[str, Any]:
         return {"requests": self.requests, "completed": self.completed, "disconnects": self.disconnects, "tokens_sent": self.tokens_sent,
-                "last_headers": self.last_headers, "last_body": self.last_body, "last_send_times": self.last_send_times}
+                "last_headers": self.last_headers, "last_body": self.last_body, "last_send_times": self.last_send_times,
+                "last_received": self.last_received}
 
 
 def _json_response(status: int, obj: Any, extra: list[tuple[bytes, bytes]] | None = None) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
@@ -239,6 +241,7 @@ class Simulator:
 
     async def _generate(self, scope: dict[str, Any], receive: Any, send: Any, kind: str, request: dict[str, Any], headers: dict[str, str], received: float) -> None:
         cfg = self.config
+        self.stats.last_received = received
         model = str(request.get("model") or "sim-7b")
         if headers.get("x-sim-reject-stream-options") == "1" and "stream_options" in request:
             error = {"error": {"message": "Unrecognized request argument supplied: stream_options", "type": "invalid_request_error", "param": None, "code": None}}

@@ -134,6 +134,12 @@ def test_proxy_numbers_agree_with_the_engine(engine, via):
     rows = []
     for lines in (1, 12):
         records = measure(via, lines, 20)
+        # Greedy decoding of the random model can pick its end token first, or lock on a control
+        # token, which detokenizes to nothing: such a stream has no content chunk, so no TTFT (seen
+        # once in a full suite run under load). The model's, not the proxy's: held aside, a few at most.
+        silent = [r for r in records if not r["content_chunks"]]
+        assert all(r["ttft_s"] is None and r["outcome"] == "ok" for r in silent) and len(silent) <= 3
+        records = [r for r in records if r["content_chunks"]]
         ttft = statistics.median(r["ttft_s"] for r in records)
         engine_prefill = statistics.median(r["engine"]["prompt_s"] for r in records)
         explained = statistics.median(r["engine"]["prompt_s"] + r["phases_s"]["network"] + r["phases_s"]["tokenize"] + r["phases_s"]["proxy"] for r in records)

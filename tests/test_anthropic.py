@@ -31,7 +31,7 @@ def test_the_stream_helper_is_timed_like_chat(proxy, sim):
     assert record["api"] == "anthropic" and record["endpoint"] == "messages" and record["model"] == "claude-sim"
     assert record["stream"] is True and record["outcome"] == "ok" and record["status_code"] == 200
     delivered = sim.delivered()  # 200 ms, then 50 gaps of 20 ms, as the simulator really wrote them
-    assert delivered.holds_ttft(record["ttft_s"]) and delivered.holds_rate(record["decode_tokens_per_second"], 50)
+    assert delivered.holds_ttft(record) and delivered.holds_rate(record["decode_tokens_per_second"], 50)
     assert record["content_chunks"] == 51 and record["token_source"] == "usage"
     assert record["completion_tokens"] == final.usage.output_tokens == 51
     assert record["prompt_tokens"] == final.usage.input_tokens and record["dominant_phase"] == "decode"

@@ -26,7 +26,7 @@ def test_chat_streamed_with_a_cold_load_and_the_engine_join(proxy_factory, sim):
     # TTFT = the 300 ms load + the 200 ms prefill; decode 50 gaps of 20 ms.
     delivered = sim.delivered()
     assert delivered.ttft_s == pytest.approx(0.500, abs=0.05)  # (the load was scheduled)
-    assert delivered.holds_ttft(record["ttft_s"]) and delivered.holds_rate(record["decode_tokens_per_second"], 50)
+    assert delivered.holds_ttft(record) and delivered.holds_rate(record["decode_tokens_per_second"], 50)
     assert record["completion_tokens"] == 51 and record["prompt_tokens"] == final.prompt_eval_count and record["token_source"] == "usage"
     engine = record["engine"]
     assert engine["source"] == "ollama" and engine["prompt_s"] == pytest.approx(0.200, abs=0.001)

@@ -73,8 +73,14 @@ def scraped(url: str, name: str, **labels: str) -> float:
 def sockets_to(port: int) -> int:
     """How many of this process's sockets are connected to `port` (its descriptors' inodes looked up
     in the kernel's TCP tables): a closed transport's socket stays open until its loop's next turn."""
-    mine = {os.readlink(f"/proc/self/fd/{fd}")[8:-1] for fd in os.listdir("/proc/self/fd")
-            if os.path.exists(f"/proc/self/fd/{fd}") and os.readlink(f"/proc/self/fd/{fd}").startswith("socket:[")}
+    mine = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile (by the proxy's loop thread)
+            continue
+        if target.startswith("socket:["):
+            mine.add(target[8:-1])
     count = 0
     for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
         with open(table) as lines:

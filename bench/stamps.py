@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import compare  # noqa: E402
 from rawclient import Connection  # noqa: E402
 
-from proxy.demo import free_port, serve_command  # noqa: E402
+from proxy.demo import free_port, serve_command, wait_healthy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -90,14 +89,9 @@ while True:
 
 
 def start_upstream(port: int, log: Path, chunks: int, gap_s: float, ttft_s: float) -> subprocess.Popen[bytes]:
-    """The instrumented upstream in its own process, accepting connections when this returns."""
+    """The instrumented upstream in its own process, answering (its health check) when this returns."""
     upstream = subprocess.Popen([sys.executable, "-c", UPSTREAM, str(port), str(log), str(chunks), str(gap_s), str(ttft_s)])
-    for _ in range(50):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            time.sleep(0.1)
+    wait_healthy(f"http://127.0.0.1:{port}/health", upstream, timeout=10)
     return upstream
 
 

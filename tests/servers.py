@@ -149,11 +149,15 @@ class Delivered:
         hop there) and ends after it (the read)."""
         return -0.0001 <= record["ttft_s"] - record["phases_s"]["client"] - self.ttft_s <= SCHEDULER_SLACK_S
 
+    def holds_window(self, window_s: float, choice: int = 0, choices: int = 1) -> bool:
+        """The proxy's decode window is the simulator's, give or take a late stamp at either end:
+        5 ms, under the shortest gap between tokens the tests inject (10 ms)."""
+        return abs(window_s - self.window_s(choice, choices)) <= 0.005
+
     def holds_rate(self, tokens_per_s: float, after: int, choice: int = 0, choices: int = 1) -> bool:
-        """`after` tokens (those after the first chunk) over the proxy's decode window is the
-        simulator's window, give or take a late stamp at either end: 5 ms, under the shortest gap
-        between tokens the tests inject (10 ms), so one token miscounted fails."""
-        return abs(after / tokens_per_s - self.window_s(choice, choices)) <= 0.005
+        """`after` tokens (those after the first chunk) over the simulator's window, within
+        `holds_window`: one token miscounted fails."""
+        return self.holds_window(after / tokens_per_s, choice, choices)
 
 
 class Simulator:

@@ -9,7 +9,6 @@ import openai
 import pytest
 from opentelemetry.trace import SpanKind
 
-
 pytestmark = pytest.mark.e2e
 MSG = [{"role": "user", "content": "hello"}]
 

@@ -1,10 +1,13 @@
-"""Per-request work on the event loop at finish: the split, metrics and spans, in-process.
+"""Per-request work on the event loop at finish: the split, metrics, spans and the SLO verdict, in-process.
 
     .venv/bin/python bench/finish.py                 # this checkout
     .venv/bin/python bench/finish.py --src /tmp/old  # another checkout (git worktree)
 
 5,000 finished streaming records of 100 content chunks each (the test suite's record shape),
-each observed once; the span processor is a batch processor with an exporter that drops.
+each observed once; the span processor is a batch processor with an exporter that drops. The SLO
+verdict (when the checkout has one: proxy/slo.py) is timed for a good request (its phases appended to
+the model's usual values) and for a TTFT miss (the blame: each phase against its usual median),
+and its metrics (`observe_slo`) once per request.
 """
 from __future__ import annotations
 
@@ -50,9 +53,23 @@ for _ in range(args.requests):
     t.response_end_ns = t.upstream_end_ns + 1
     records.append(t)
 b = split(records[0])
-for label, work in (("the split", lambda t: split(t)),
-                    ("metrics (ProxyMetrics.observe)", lambda t: metrics.observe(t, b, "u", None)),
-                    ("spans (start + finish)", lambda t: tracing.finish(tracing.start({}, t, 0), t, b, 0))):
+work_items = [("the split", lambda t: split(t)),
+              ("metrics (ProxyMetrics.observe)", lambda t: metrics.observe(t, b, "u", None)),
+              ("spans (start + finish)", lambda t: tracing.finish(tracing.start({}, t, 0), t, b, 0))]
+try:
+    from proxy.slo import SLOs, parse
+except ImportError:  # an older checkout: no objectives
+    pass
+else:
+    good = SLOs(objectives=parse("objectives:\n  - name: s\n    models: ['*']\n    ttft: 0.5\n    tpot: 0.05\n    e2e: 30\n    target: 0.99\n"))
+    missing = SLOs(objectives=parse("objectives:\n  - name: s\n    models: ['*']\n    ttft: 0.1\n    tpot: 0.05\n    e2e: 30\n    target: 0.99\n"))
+    for _ in range(300):  # a usual to blame against: a full window of good requests
+        missing.usual.add(("m", "ttft"), {"prefill": 0.05, "network": 0.001, "client": 0.0, "proxy": 0.0005, "tokenize": 0.001})
+    verdict = good.judge(records[0], b)
+    work_items += [("SLO verdict, a good request (SLOs.judge)", lambda t: good.judge(t, b)),
+                   ("SLO verdict, a TTFT miss with its blame", lambda t: missing.judge(t, b)),
+                   ("SLO metrics (ProxyMetrics.observe_slo)", lambda t: metrics.observe_slo(verdict, "m", "u"))]
+for label, work in work_items:
     began = time.perf_counter()
     for t in records:
         work(t)

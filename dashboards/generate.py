@@ -30,6 +30,7 @@ DS = DataSourceRef(type_val="prometheus", uid="${datasource}")
 SEL = 'upstream=~"$upstream", model=~"$model", endpoint=~"$endpoint"'
 SEL_MODEL = 'upstream=~"$upstream", model=~"$model"'
 UP = 'upstream=~"$upstream"'
+SLO = 'slo=~"$slo", upstream=~"$upstream", model=~"$model"'
 RI = "$__rate_interval"
 
 LATENCY_VS_THROUGHPUT = (
@@ -50,6 +51,8 @@ PANEL_OUTCOMES = "Requests by outcome and code"
 PANEL_OVERHEAD = "Proxy's own overhead (phase proxy)"
 PANEL_SHED = "Shed load: 503 proxy_overloaded, by reason"
 PANEL_FDS = "Open descriptors vs the limit"
+ROW_SLO = "Service-level objectives"
+PANEL_SLO_MISSES = "SLO misses by blamed phase"
 MODEL = "{{ $labels.model }}"
 UPSTREAM = "{{ $labels.upstream }}"
 INSTANCE = "{{ $labels.instance }}"
@@ -106,7 +109,8 @@ def build() -> dict:
     )
     for name, source in (("upstream", "llmproxy_requests_total, upstream"),
                          ("model", 'llmproxy_requests_total{upstream=~"$upstream"}, model'),
-                         ("endpoint", 'llmproxy_requests_total{upstream=~"$upstream"}, endpoint')):
+                         ("endpoint", 'llmproxy_requests_total{upstream=~"$upstream"}, endpoint'),
+                         ("slo", "llmproxy_slo_target, slo")):
         d = d.with_variable(QueryVariable(name).label(name.capitalize()).datasource(DS).query(f"label_values({source})")
                             .multi(True).include_all(True).all_value(".*").refresh(VariableRefresh.ON_TIME_RANGE_CHANGED))
 
@@ -213,6 +217,39 @@ def build() -> dict:
         .with_target(q(f'sum by (model) (increase(llmproxy_tokens_total{{{SEL_MODEL}, kind="completion"}}[$__range]))', "tokens out", "E", instant=True))
     )
     d = d.with_panel(per_model)
+
+    # Service-level objectives (--slo): exact good/bad counts, so ratios are exact, not bucket estimates.
+    good, judged = f'llmproxy_slo_requests_total{{{SLO}, result="good"}}', f"llmproxy_slo_requests_total{{{SLO}}}"
+    bad = f'llmproxy_slo_requests_total{{{SLO}, result="bad"}}'
+    budget = '1 - max by (slo) (llmproxy_slo_target{slo=~"$slo"})'
+    ratio = lambda metric, window: f"sum by (slo) (rate({metric}[{window}])) / sum by (slo) (rate({judged}[{window}]))"  # noqa: E731
+    d = d.with_row(Row(ROW_SLO))
+    d = d.with_panel(ts("SLO attainment vs target", "percentunit", [
+        q(ratio(good, "1h"), "{{slo}} attainment (1h)", "A"),
+        q('max by (slo) (llmproxy_slo_target{slo=~"$slo"})', "{{slo}} target", "B")], 0, 80, w=8,
+        description="The share of judged generation requests that met every stated objective of their SLO (TTFT, TPOT, e2e), "
+                    "over the last hour, against the SLO's target."))
+    d = d.with_panel(stat.Panel().title("Error budget left (selected range)").datasource(DS).grid_pos(GridPos(h=8, w=4, x=8, y=80))
+                     .unit("percentunit").description("1 - the bad share over the dashboard's time range / the budget (1 - target). "
+                                                      "Set the range to the SLO window (30 days by default); below 0: overspent.")
+                     .with_target(q(f"1 - (sum by (slo) (increase({bad}[$__range])) / sum by (slo) (increase({judged}[$__range]))) / ({budget})",
+                                    "{{slo}}", "A", instant=True, fmt="time_series")))
+    d = d.with_panel(ts("Burn rate (1 h and 6 h)", "short", [
+        q(f"({ratio(bad, '1h')}) / ({budget})", "{{slo}} 1h", "A"),
+        q(f"({ratio(bad, '6h')}) / ({budget})", "{{slo}} 6h", "B")], 12, 80, w=6,
+        description="The bad share divided by the budget: 1 spends the budget exactly over the SLO window. The page alert "
+                    "(LLMSLOBudgetBurn) needs 14.4 over 1 h (and 5 m) or 6 over 6 h (and 30 m)."))
+    d = d.with_panel(ts("Goodput vs throughput", "reqps", [
+        q(f"sum by (slo) (rate({good}[{RI}]))", "{{slo}} goodput", "A"),
+        q(f"sum by (slo) (rate({judged}[{RI}]))", "{{slo}} judged requests", "B")], 18, 80, w=6,
+        description="Goodput (DistServe, vLLM's --goodput): requests per second that met every objective; beside it, every "
+                    "judged request per second."))
+    d = d.with_panel(ts(PANEL_SLO_MISSES, "reqps", [
+        q(f"sum by (slo, objective, blame) (rate(llmproxy_slo_misses_total{{{SLO}}}[{RI}]))", "{{slo}} {{objective}}: {{blame}}", "A")],
+        0, 88, w=24, stack=StackingMode.NORMAL,
+        description="Which phase broke each miss: for ttft (and e2e) the phase furthest above its usual value for the model "
+                    "(its median over recent good requests), for tpot decode, for error the outcome. Queue: the engine is "
+                    "saturated; prefill: long prompts; reasoning: hidden reasoning; client: slow uploads."))
     return json.loads(json.dumps(d.build(), cls=JSONEncoder))
 
 
@@ -221,6 +258,9 @@ def render() -> str:
 
 
 RULES = Path(__file__).resolve().parent / "prometheus" / "rules.yml"
+SLO_EXAMPLE = Path(__file__).resolve().parent / "prometheus" / "slo.yml"  # the example objectives
+SLO_RULES = Path(__file__).resolve().parent / "prometheus" / "slo-rules.yml"
+SLO_IN_POD = "/etc/llm-latency-proxy/slo.yaml"  # where deploy/kubernetes mounts the objectives
 KUBERNETES = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes"
 HEADER = "# Generated by dashboards/generate.py from {source}: edit that file, then run make dashboards.\n"
 
@@ -288,20 +328,39 @@ def with_first_looks(text: str) -> str:
 # and every `for` stays shorter than the window it watches; a test checks nothing else differs.
 SCALED_WINDOWS = {"5m": "8s", "1h": "12s", "1d": "28s"}
 SCALED_FOR = {"2m": "2s", "5m": "3s", "10m": "4s", "15m": "4s"}
+# The burn-rate rules' windows (proxy/rules.py), scaled for their own chain test: each short window
+# stays shorter than its long one, and the shortest still holds four 1 s scrapes.
+SLO_SCALED_WINDOWS = {"5m": "4s", "30m": "6s", "1h": "8s", "2h": "10s", "6h": "14s", "1d": "18s", "3d": "24s"}
 
 
-def scaled_rules(text: str) -> str:
+def scaled_rules(text: str, windows: dict[str, str] = SCALED_WINDOWS) -> str:
     import re
 
-    text = re.sub(r"\[(\w+)\]", lambda m: f"[{SCALED_WINDOWS[m.group(1)]}]", text)
-    text = re.sub(r"\boffset (\w+)", lambda m: f"offset {SCALED_WINDOWS[m.group(1)]}", text)
+    text = re.sub(r"\[(\w+)\]", lambda m: f"[{windows[m.group(1)]}]", text)
+    text = re.sub(r"\boffset (\w+)", lambda m: f"offset {windows[m.group(1)]}", text)
     return re.sub(r"^(\s*for: )(\w+)$", lambda m: m.group(1) + SCALED_FOR[m.group(2)], text, flags=re.M)
 
 
+def slo_configmap() -> str:
+    """The example objectives as the ConfigMap deploy/kubernetes mounts at SLO_IN_POD."""
+    import yaml
+
+    resource = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "llm-latency-proxy-slo"},
+                "data": {"slo.yaml": SLO_EXAMPLE.read_text()}}
+    return HEADER.format(source="dashboards/prometheus/slo.yml") + yaml.safe_dump(resource, sort_keys=False, width=200)
+
+
 def outputs() -> dict[Path, str]:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from proxy import rules, slo
+
+    objectives = slo.load(str(SLO_EXAMPLE))
     text = render()
     return {OUTPUT: text, RULES: with_first_looks(RULES.read_text()), KUBERNETES / "prometheusrule.yaml": prometheus_rule(),
-            KUBERNETES / "grafana-dashboard-configmap.yaml": dashboard_configmap(text)}
+            KUBERNETES / "grafana-dashboard-configmap.yaml": dashboard_configmap(text),
+            SLO_RULES: rules.render(objectives, "dashboards/prometheus/slo.yml"),
+            KUBERNETES / "slo-prometheusrule.yaml": rules.render(objectives, SLO_IN_POD, kubernetes=True),
+            KUBERNETES / "slo-configmap.yaml": slo_configmap()}
 
 
 def main() -> int:

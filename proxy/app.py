@@ -34,6 +34,7 @@ from .telemetry import Telemetry
 from .tokens import Tokenizer
 from .tracing import Tracing, build_tracer_provider
 from .routes import Router
+from .slo import SLOs
 from .upstream import Upstream
 
 log = logging.getLogger("llmproxy")
@@ -60,7 +61,9 @@ class ProxyApp:
         self.tracer_provider = tracer_provider
         if tokenizer is None and settings.tokenize:
             tokenizer = Tokenizer(settings.default_encoding)
-        self.telemetry = Telemetry(settings, self.metrics, Tracing(tracer_provider, settings), tokenizer, self.offload)
+        self.slos = SLOs(settings.slo)  # --slo: a broken file is refused here, at start, with its line
+        self.metrics.slo_targets({o.name: o.target for o in self.slos.objectives})
+        self.telemetry = Telemetry(settings, self.metrics, Tracing(tracer_provider, settings), tokenizer, self.offload, self.slos)
         self.router = Router(settings)  # --routes, or the one --upstream for every model
         self.admission = Admission(settings.max_in_flight)
         self.metrics.child("llmproxy_max_in_flight", settings.upstream_label).set(settings.max_in_flight)
@@ -92,12 +95,17 @@ class ProxyApp:
             out.append((dialect.key_headers[0], dialect.key_prefix + upstream.key))
         return out
 
-    def reload_routes(self) -> None:
-        """SIGHUP: re-read --routes; a broken file is refused and the old routes keep serving."""
+    def reload(self) -> None:
+        """SIGHUP: re-read --routes and --slo; a broken file is refused and the old one keeps serving."""
         try:
             self.router.reload()
         except ValueError as exc:
             log.error("routes not reloaded, the old ones keep serving: %s", exc)
+        try:
+            self.slos.reload()
+            self.metrics.slo_targets({o.name: o.target for o in self.slos.objectives})
+        except ValueError as exc:
+            log.error("objectives not reloaded, the old ones keep serving: %s", exc)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -129,11 +137,11 @@ class ProxyApp:
         soft = raise_open_files_limit(self.settings)[1]  # in each worker, before its listener exists
         self.metrics.child("llmproxy_max_fds").set(soft)
         watcher = asyncio.create_task(self._count_descriptors())
-        if self.settings.routes:
+        if self.settings.routes or self.settings.slo:
             try:  # (only the main thread of a process may; a test serving the app in a thread cannot)
-                asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.reload_routes)
+                asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.reload)
             except (RuntimeError, ValueError):
-                log.warning("SIGHUP cannot reload routes here (not the main thread)")
+                log.warning("SIGHUP cannot reload routes or objectives here (not the main thread)")
         count_pause = self.metrics.accept_paused(self.settings.upstream_label)
         loop = asyncio.get_running_loop()
         if isinstance(loop, ProxyLoop):  # (a test may serve the app on another loop)
@@ -206,18 +214,20 @@ class ProxyApp:
             return Response(page, media_type="text/html; charset=utf-8")
 
         @app.get("/llmproxy/requests")
-        async def requests(limit: int = 100, model: str = "", upstream: str = "", outcome: str = "", api: str = "") -> Any:
+        async def requests(limit: int = 100, model: str = "", upstream: str = "", outcome: str = "", api: str = "", slo: str = "",
+                           verdict: str = "") -> Any:
             """The most recent per-request records, newest last: every worker's, from the records
-            database (this worker's in memory when records are off or unreadable)."""
+            database (this worker's in memory when records are off or unreadable). `verdict`: good
+            or miss (its SLO verdict)."""
+            filters = records.Filters(model, upstream, outcome, api, slo, verdict)
             path = self.settings.records_path
             if path and telemetry.records_sink.store is not None:
                 await asyncio.to_thread(telemetry.records_sink.store.flush)
                 try:
-                    return await asyncio.to_thread(records.recent, path, limit, model, upstream, outcome, api)
+                    return await asyncio.to_thread(records.recent, path, limit, filters)
                 except sqlite3.Error:
                     telemetry.count_error("records")
-            rows = [r for r in telemetry.records if (not model or r["model"] == model) and (not upstream or r["upstream"] == upstream)
-                    and (not outcome or r["outcome"] == outcome) and (not api or r["api"] == api)]
+            rows = [r for r in telemetry.records if filters.match(r)]
             return rows[-limit:] if limit > 0 else []
 
         return app

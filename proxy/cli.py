@@ -7,14 +7,22 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from .config import add_arguments, build_settings
+
+if TYPE_CHECKING:
+    from .slo import Objective
 
 
 def serve(args: argparse.Namespace) -> int:
     settings = build_settings(args)
+    if settings.slo:  # refused at start, with its line, before any worker starts
+        from .slo import load as load_objectives
+
+        load_objectives(settings.slo)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from .server import run
 
@@ -30,7 +38,8 @@ def simulate(args: argparse.Namespace) -> int:
     config = SimConfig(prefill_tps=args.prefill_tps, decode_tps=args.decode_tps, jitter=args.jitter,
                        chunk_tokens=args.chunk_tokens, default_max_tokens=args.max_tokens,
                        role_chunk=not args.no_role_chunk, usage_null_chunks=not args.no_usage_null,
-                       deterministic=args.deterministic, seed=args.seed)
+                       deterministic=args.deterministic, seed=args.seed, batch_alpha_ms=args.batch_alpha_ms,
+                       batch_beta_ms=args.batch_beta_ms)
     uvicorn.run(Simulator(config), host=args.host, port=args.port, loop="uvloop", http="httptools",
                 log_level=args.log_level, access_log=False, timeout_keep_alive=args.keep_alive_timeout, ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
     return 0
@@ -62,12 +71,33 @@ def explain(args: argparse.Namespace) -> int:
         hardware = {"params": args.params, "bytes_per_param": args.bytes_per_param, "bandwidth": args.bandwidth,
                     "kv_bytes_per_token": args.kv_bytes_per_token}
     records = load_records(paths, since, args.model)
-    report = analyse(records, hardware)
-    print(to_json(report) if args.json else render(report))
+    objectives: tuple[Objective, ...] = ()
+    slo_path = args.slo or os.environ.get("LLMPROXY_SLO", "")
+    if slo_path:
+        from .slo import load as load_objectives
+
+        objectives = load_objectives(slo_path)
+    report = analyse(records, hardware, objectives)
+    if args.json:
+        print(to_json(report))
+    else:
+        from . import budget
+
+        for name, summary in budget.summary(records, objectives).items():
+            print("\n".join(budget.render(name, summary)))
+        print(render(report))
     if args.plot:
         from .explain import plot
 
         plot(records, report, args.plot)
+    return 0
+
+
+def rules(args: argparse.Namespace) -> int:
+    from .rules import render as render_rules
+    from .slo import load as load_objectives
+
+    print(render_rules(load_objectives(args.slo), args.slo, kubernetes=args.kubernetes), end="")
     return 0
 
 
@@ -100,6 +130,9 @@ def parser() -> argparse.ArgumentParser:
     p_sim.add_argument("--no-usage-null", action="store_true", help="omit usage:null on chunks (vLLM style)")
     p_sim.add_argument("--deterministic", action="store_true", help="fixed `created` field for byte comparisons")
     p_sim.add_argument("--seed", type=int, default=0)
+    p_sim.add_argument("--batch-alpha-ms", type=float, default=0.0,
+                       help="continuous batching: ms per token at no load (with --batch-beta-ms: per token = alpha + beta x streams decoding)")
+    p_sim.add_argument("--batch-beta-ms", type=float, default=0.0, help="continuous batching: ms per token added by each stream decoding at once")
     p_sim.add_argument("--log-level", default="warning")
     p_sim.add_argument("--keep-alive-timeout", type=float, default=5.0,
                        help="seconds before an idle client connection is closed (uvicorn's default 5, as vLLM; large: never)")
@@ -123,7 +156,13 @@ def parser() -> argparse.ArgumentParser:
     p_explain.add_argument("--bytes-per-param", type=float, default=2.0)
     p_explain.add_argument("--bandwidth", type=float, default=0.0, help="memory bandwidth in bytes/s, e.g. 3.35e12")
     p_explain.add_argument("--kv-bytes-per-token", type=float, default=0.0)
+    p_explain.add_argument("--slo", default="", help="the objectives file (serve's --slo; default $LLMPROXY_SLO): targets, budget left, capacity")
     p_explain.set_defaults(func=explain)
+
+    p_rules = commands.add_parser("rules", help="Prometheus burn-rate alerts (multiwindow, multi-burn-rate) from an objectives file")
+    p_rules.add_argument("--slo", required=True, help="the objectives file (serve's --slo)")
+    p_rules.add_argument("--kubernetes", action="store_true", help="a PrometheusRule for the Prometheus Operator instead of a rules file")
+    p_rules.set_defaults(func=rules)
 
     p_load = commands.add_parser("load", help="send a bounded traffic mix (chat/completions, stream or not, some errors)")
     p_load.add_argument("--base-url", default="http://127.0.0.1:8080/v1")

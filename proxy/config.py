@@ -43,6 +43,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("upstream_name", str, "", "value of the `upstream` metric label (default: host:port of --upstream)"),
     Option("provider_name", str, "", "gen_ai.provider.name on spans (default: openai for *.openai.com, else openai_compatible)"),
     Option("routes", str, "", "YAML routing file: model names (exact or glob) to upstreams, each with its own URL, key, timeouts and pool (see proxy/routes.py); reloaded on SIGHUP; empty: every model goes to --upstream"),
+    Option("slo", str, "", "YAML file of service-level objectives: per model (exact or glob), TTFT, TPOT and end-to-end thresholds and a target (see proxy/slo.py); every generation request gets a verdict and a blamed phase; reloaded on SIGHUP; empty: none"),
     Option("connect_timeout", float, 10.0, "seconds to open a connection to the upstream (DNS+TCP+TLS)"),
     Option("first_token_timeout", float, 600.0, "seconds from sending a request to its first content chunk, enforced after the headers too: comments (`: keep-alive`) and role-only chunks are not tokens (for non-streaming requests, the whole response)"),
     Option("read_timeout", float, 120.0, "seconds the upstream may stay silent between chunks once the first content chunk arrived; also how long a client may stop reading before it is cut (outcome client_slow)"),
@@ -105,6 +106,7 @@ class Settings:
     upstream_name: str = ""
     provider_name: str = ""
     routes: str = ""
+    slo: str = ""
     connect_timeout: float = 10.0
     first_token_timeout: float = 600.0
     read_timeout: float = 120.0

@@ -6,7 +6,12 @@ prompt tokens, 100 output tokens) through the official `openai` client via the p
 the measured split per case next to the napkin estimate Prefill(L_in) + Decode(L_out). Then a
 reasoning model's three shapes with the same prompt and the same visible output: no reasoning,
 visible reasoning (streamed as `reasoning_content`: decode) and hidden reasoning (o-series style:
-only counted in usage, so it sits inside TTFT, estimated as the phase `reasoning`).
+only counted in usage, so it sits inside TTFT, estimated as the phase `reasoning`). Last, every
+request is judged against two service-level objectives (`--slo`): the cases above against TTFT,
+TPOT and e2e thresholds (long prompts and hidden reasoning miss TTFT, blamed on their phase), and
+a batching engine (the simulator's law: per token = 8 + 2 ms x streams decoding) driven at 1 to
+12 concurrent streams, whose capacity at a 30 ms TPOT objective is 11 streams: the SLO table
+shows attainment, goodput, misses by blamed phase and the capacity `explain` reads off the fit.
 """
 from __future__ import annotations
 
@@ -143,6 +148,81 @@ def print_reasoning(rows: list[dict[str, Any]], output_tokens: int) -> None:
                   "calling it prefill.")
 
 
+# The demo's objectives: the 7B cases above, and a batching engine's model (the simulator's law,
+# switched on for that part only) at rising concurrency, whose capacity at 30 ms per token is
+# (30 - 8) / 2 = 11 streams; at 12, TPOT misses begin.
+OBJECTIVES = """objectives:
+  - name: interactive
+    models: ["sim-7b"]
+    ttft: 0.5
+    tpot: 0.03
+    e2e: 10
+    target: 0.95
+  - name: batched
+    models: ["sim-batch"]
+    ttft: 0.5
+    tpot: 0.03
+    target: 0.95
+"""
+BATCH_ALPHA_MS, BATCH_BETA_MS, BATCH_LEVELS, BATCH_TOKENS = 8.0, 2.0, (1, 2, 4, 8, 12), 30
+
+
+def run_batching(proxy_url: str, sim_url: str, repeats: int) -> None:
+    """Closed loops of 1, 2, 4, 8 and 12 clients against the batching law, one level after another."""
+    import threading
+
+    import openai
+
+    httpx.post(f"{sim_url}/sim/config", json={"batch_alpha_ms": BATCH_ALPHA_MS, "batch_beta_ms": BATCH_BETA_MS}).raise_for_status()
+    client = openai.OpenAI(base_url=f"{proxy_url}/v1", api_key="demo-key-not-secret", max_retries=0)
+
+    def worker() -> None:
+        for _ in range(max(3, repeats)):
+            for _chunk in client.chat.completions.create(model="sim-batch", messages=[{"role": "user", "content": "hi"}],
+                                                         max_tokens=BATCH_TOKENS, stream=True, extra_headers={"x-sim-ttft-ms": "5"}):
+                pass
+
+    try:
+        for level in BATCH_LEVELS:
+            threads = [threading.Thread(target=worker) for _ in range(level)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+    finally:
+        httpx.post(f"{sim_url}/sim/config", json={"batch_alpha_ms": 0, "batch_beta_ms": 0}).raise_for_status()
+
+
+def print_slo(records: list[dict[str, Any]], objectives: Any) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from . import budget
+    from .explain import explain
+
+    report = explain(records, objectives=objectives)
+    table = Table(title="Service-level objectives, judged on every request above (--slo)")
+    for column in ("slo", "objectives", "judged", "attainment", "target", "budget left", "goodput", "misses by blamed phase", "capacity"):
+        table.add_column(column, justify="right", no_wrap=True)
+    summaries = budget.summary(records, objectives)
+    for o in objectives:
+        s = summaries[o.name]
+        stated = " ".join(f"{name} {value * 1000:g}ms" if value < 1 else f"{name} {value:g}s" for name, value in o.thresholds.items())
+        misses = "; ".join(f"{missed}: " + ", ".join(f"{phase} {n}" for phase, n in blamed.items()) for missed, blamed in s["misses"].items())
+        group = next((g for g in report.values() if g.get("slo", {}).get("name") == o.name and "capacity" in g), None)
+        c = group["capacity"] if group else None
+        capacity = (f"{c['streams']:.1f} streams (peak {c['peak_streams']})" if c and c["streams"] is not None else
+                    ("too few concurrency levels" if c else "no tpot objective"))
+        table.add_row(o.name, stated, str(s["judged"]), f"{s['attainment']:.1%}" if s["judged"] else "n/a", f"{o.target:.0%}",
+                      f"{s['budget_left']:.0%}" if "budget_left" in s else "n/a", f"{s['goodput_rps']:.2f}/s" if s["judged"] else "n/a",
+                      misses or "none", capacity)
+    console = Console(width=max(Console().width, 190))
+    console.print(table)
+    console.print(f"Long prompts and hidden reasoning miss TTFT, each blamed on its own phase; the batching engine's time per token "
+                  f"grows {BATCH_BETA_MS:g} ms per stream from {BATCH_ALPHA_MS:g} ms, so at 12 streams it misses TPOT (decode), and its "
+                  f"capacity at 30 ms per token is read off the decode fit: the law says {(30 - BATCH_ALPHA_MS) / BATCH_BETA_MS:g}.")
+
+
 API_PROMPT = 1000  # prompt tokens of the comparison of APIs
 APIS = (("openai", "chat"), ("openai", "responses"), ("anthropic", "messages"), ("gemini", "generate_content"), ("ollama", "ollama_chat"))
 
@@ -235,22 +315,31 @@ def run_demo(repeats: int = 3, output_tokens: int = 100) -> int:
     sim_port, proxy_port = free_port(), free_port()
     sim_url, proxy_url = f"http://127.0.0.1:{sim_port}", f"http://127.0.0.1:{proxy_port}"
     print(f"simulator on {sim_url} (prefill {PREFILL_TPS:.0f} tok/s, decode {DECODE_TPS:.0f} tok/s); proxy on {proxy_url}")
-    records_db = os.path.join(tempfile.mkdtemp(prefix="llmproxy-demo-"), "records.sqlite")
+    workdir = tempfile.mkdtemp(prefix="llmproxy-demo-")
+    records_db, slo_path = os.path.join(workdir, "records.sqlite"), os.path.join(workdir, "slo.yaml")
+    with open(slo_path, "w", encoding="utf-8") as handle:
+        handle.write(OBJECTIVES)
     with started(["simulate", "--port", str(sim_port)], f"{sim_url}/health"), \
-         started(["serve", "--upstream", f"{sim_url}/v1", "--port", str(proxy_port), "--records-db", records_db], f"{proxy_url}/healthz"):
+         started(["serve", "--upstream", f"{sim_url}/v1", "--port", str(proxy_port), "--records-db", records_db, "--slo", slo_path],
+                 f"{proxy_url}/healthz"):
         print(f"live waterfall of every request while the demo runs: {proxy_url}/ui")
         run_cases(proxy_url, repeats, output_tokens)
         run_reasoning(proxy_url, repeats, output_tokens)
         run_apis(proxy_url, repeats, output_tokens)
         total = (len(CASES) + len(REASONING) + len(APIS)) * repeats
         records = httpx.get(f"{proxy_url}/llmproxy/requests", params={"limit": total}).json()
+        run_batching(proxy_url, sim_url, repeats)
     cases, reasoning = len(CASES) * repeats, len(REASONING) * repeats
     print_table(summarise(records[:cases], repeats, output_tokens))
     print_reasoning(reasoning_rows(records[cases : cases + reasoning], repeats), output_tokens)
     print_apis(records[cases + reasoning :], output_tokens)
     from .explain import explain, load, render
+    from .slo import load as load_objectives
 
-    print(f"\nllm-latency-proxy explain --db {records_db}   (the demo's traffic, from its records database)\n")
-    print(render(explain(load([records_db]))))
+    objectives = load_objectives(slo_path)
+    everything = load([records_db])
+    print_slo(everything, objectives)
+    print(f"\nllm-latency-proxy explain --db {records_db} --slo {slo_path}   (the demo's traffic, from its records database)\n")
+    print(render(explain(everything, objectives=objectives)))
     print(f"With a proxy running, {proxy_url.rsplit(':', 1)[0]}:PORT/ui shows every request as it finishes (the demo's was {proxy_url}/ui).")
     return 0

@@ -27,6 +27,9 @@ from typing import Any, Iterable
 
 import orjson
 
+from . import budget
+from .slo import Objective
+
 PHASES = ("client", "network", "tokenize", "queue", "load", "prefill", "reasoning", "decode", "server", "proxy")
 MAX_PAIRS_POINTS = 300  # points sampled for the pairwise slopes (45,000 pairs)
 
@@ -88,7 +91,8 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def analyse_group(records: list[dict[str, Any]], hardware: dict[str, float] | None = None) -> dict[str, Any]:
+def analyse_group(records: list[dict[str, Any]], hardware: dict[str, float] | None = None,
+                  objectives: tuple[Objective, ...] = ()) -> dict[str, Any]:
     """Every figure for one model on one upstream, from its successful requests."""
     ok = [r for r in records if r["outcome"] == "ok"]
     streams = [r for r in ok if r.get("ttft_s") is not None]
@@ -151,6 +155,14 @@ def analyse_group(records: list[dict[str, Any]], hardware: dict[str, float] | No
         ceiling = roofline(hardware["params"], hardware["bytes_per_param"], hardware["bandwidth"], hardware.get("kv_bytes_per_token", 0.0), context)
         report["roofline"] = {"ceiling_tps": ceiling, "measured_tps_at_1": report["decode"]["tokens_per_second_at_1"],
                               "mbu": report["decode"]["tokens_per_second_at_1"] / ceiling, "context_tokens": context}
+    names = collections.Counter(r["slo"] for r in records if r.get("slo"))
+    if names:  # the SLO its requests were judged against (the file's today: the one that matches the model)
+        name = names.most_common(1)[0][0]
+        objective = next((o for o in objectives if o.name == name), None)
+        report["slo"] = {"name": name, **budget.attainment(records, name, objective)}
+        cap = budget.capacity(streams, report.get("decode"), objective)
+        if cap is not None:
+            report["capacity"] = cap
     report["diagnosis"] = diagnosis(report)
     return report
 
@@ -178,11 +190,12 @@ def diagnosis(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def explain(records: list[dict[str, Any]], hardware: dict[str, float] | None = None) -> dict[str, Any]:
+def explain(records: list[dict[str, Any]], hardware: dict[str, float] | None = None,
+            objectives: tuple[Objective, ...] = ()) -> dict[str, Any]:
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in records:
         groups.setdefault((r["model"], r.get("upstream", "")), []).append(r)
-    return {f"{model} @ {upstream}": analyse_group(rs, hardware) for (model, upstream), rs in sorted(groups.items())}
+    return {f"{model} @ {upstream}": analyse_group(rs, hardware, objectives) for (model, upstream), rs in sorted(groups.items())}
 
 
 def render(report: dict[str, Any]) -> str:
@@ -220,6 +233,10 @@ def render(report: dict[str, Any]) -> str:
             t = g["throughput"]
             out.append(f"throughput: per-request decode {t['per_request_decode_tps_median']:.1f} tok/s, aggregate output "
                        f"{t['aggregate_output_tps']:.1f} tok/s ({t['aggregate_over_per_request']:.1f}x apart)")
+        if "slo" in g:
+            out.extend(budget.render(g["slo"]["name"], g["slo"]))
+        if "capacity" in g:
+            out.append(budget.render_capacity(g["capacity"]))
         if "roofline" in g:
             r = g["roofline"]
             out.append(f"roofline: ceiling {r['ceiling_tps']:.1f} tok/s at {r['context_tokens']:.0f} tokens of context; measured "

@@ -14,7 +14,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary, disable_created_metrics
 from prometheus_client.exposition import choose_encoder, generate_latest
 
-from .timing import Breakdown, RequestTiming
+from .slo import BEFORE_FIRST_TOKEN, FAILED, Verdict
+from .timing import PHASES, Breakdown, RequestTiming
 
 # Bucket sets, per metric, from what the dashboard and the alert rules read (each alert threshold
 # is a bucket bound, so the rule compares exact counts) and from the shapes LLM traffic takes. A
@@ -34,11 +35,16 @@ RTT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
 
 BASE = ("model", "upstream", "endpoint", "stream")
 # Telemetry components, initialised to 0 so dashboards and alerts see the series before any error.
-COMPONENTS = ("metrics", "tracing", "tokenizer", "records", "timing", "otlp_export")
+COMPONENTS = ("metrics", "tracing", "tokenizer", "records", "timing", "slo", "otlp_export")
 # Why the proxy itself answered 503 proxy_overloaded (errors.EXHAUSTED holds the exhaustion ones).
 REJECT_REASONS = ("max_in_flight", "descriptors", "ports", "memory")
 # Why a relayed response was not (wholly) measured (timing.Unmeasured).
 UNMEASURED_REASONS = ("event_too_large", "undecodable")
+# What each objective's misses can be blamed on (slo.py): their series start at 0, so a burn's first
+# miss is in rate(). (slo, model, upstream) sets beyond SLO_SETS fold into model="other": at most
+# SLO_SETS x (2 + 8 + 1 + 10 + 4) = 1,600 series, inside the scrape budget at every cap.
+BLAMES = {"ttft": BEFORE_FIRST_TOKEN, "tpot": ("decode",), "e2e": PHASES, "error": FAILED}
+SLO_SETS = 64
 
 
 @dataclass(frozen=True)
@@ -78,7 +84,10 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("llmproxy_tokenize_seconds", "summary", "Tokenizer time per request, by kind (prompt, completion).", ("model", "kind")),
     MetricDef("llmproxy_tokens", "counter", "Tokens by kind (prompt, completion, cached_prompt: prompt tokens served from the cache, reasoning: hidden reasoning tokens, part of completion) and source (usage, engine, tokenizer).", ("model", "upstream", "kind", "source")),
     MetricDef("llmproxy_upstream_connections", "counter", "Upstream requests by whether they reused a pooled connection.", ("upstream", "reused")),
-    MetricDef("llmproxy_telemetry_errors", "counter", "Failures inside metrics, tracing, tokenizer or records; the request itself was unaffected.", ("component",)),
+    MetricDef("llmproxy_telemetry_errors", "counter", "Failures inside metrics, tracing, tokenizer, records or the SLO verdict; the request itself was unaffected.", ("component",)),
+    MetricDef("llmproxy_slo_requests", "counter", "Generation requests judged against their service-level objective (--slo), by result: good (every stated objective met) or bad. Exact counts: the error ratio and burn rate are bad / all.", ("slo", "model", "upstream", "result")),
+    MetricDef("llmproxy_slo_misses", "counter", "Bad requests by the objective missed (ttft, tpot, e2e, error) and its blame: for ttft and e2e the phase furthest above its usual value for the model, for tpot decode, for error the outcome. A request that missed two objectives counts once in each.", ("slo", "model", "upstream", "objective", "blame")),
+    MetricDef("llmproxy_slo_target", "gauge", "Each objective's target from the --slo file: the share of its requests that must be good (the error budget is 1 - target).", ("slo",)),
 )
 
 
@@ -129,12 +138,12 @@ class ModelLabels:
         self._seen.add(model)
         return model
 
-    def label_set(self, model: str, upstream: str, endpoint: str, stream: str) -> tuple[str, str, str, str]:
-        key = (model, upstream, endpoint, stream)
+    def label_set(self, model: str, *rest: str) -> tuple[str, ...]:
+        key = (model, *rest)
         if key in self._sets or model == "other":
             return key
         if len(self._sets) >= self.max_sets:
-            return ("other", upstream, endpoint, stream)
+            return ("other", *rest)
         self._sets.add(key)
         return key
 
@@ -152,6 +161,7 @@ class ProxyMetrics:
         self.registry = registry
         self.multiprocess = multiprocess
         self.models = ModelLabels(max_models, max_label_sets)
+        self.slo_sets = ModelLabels(max_models, SLO_SETS)
         self.m: dict[str, Any] = {}
         for d in METRICS:
             if d.kind == "counter":
@@ -230,6 +240,33 @@ class ProxyMetrics:
         for phase, seconds in b.phases.items():
             child("llmproxy_phase_seconds", *key, phase).inc(max(0.0, seconds))
         child("llmproxy_proxy_overhead_seconds", upstream, t.endpoint, stream).observe(b.phases.get("proxy", 0.0))
+
+    def observe_slo(self, verdict: Verdict, model: str, upstream: str) -> None:
+        """A judged request: good or bad, and each miss with its blame. A (slo, model, upstream) set's
+        first verdict creates its every series at 0 (each result, each stated objective's blames)."""
+        if verdict.good is None:
+            return
+        key = (verdict.slo, *self.slo_sets.label_set(self.models(model), upstream))
+        child = self.child
+        if ("llmproxy_slo_requests", *key, "good") not in self._bound:
+            child("llmproxy_slo_requests", *key, "good")
+            child("llmproxy_slo_requests", *key, "bad")
+            for objective in (*verdict.stated, "error"):
+                for blame in BLAMES[objective]:
+                    child("llmproxy_slo_misses", *key, objective, blame)
+        child("llmproxy_slo_requests", *key, "good" if verdict.good else "bad").inc()
+        for objective, blame in verdict.blame.items():
+            child("llmproxy_slo_misses", *key, objective, blame).inc()
+
+    def slo_targets(self, targets: dict[str, float]) -> None:
+        """The objectives in force (start-up and each reload): a removed objective's gauge goes."""
+        gauge = self.m["llmproxy_slo_target"]
+        for (name, *labels), _ in list(self._bound.items()):
+            if name == "llmproxy_slo_target" and labels[0] not in targets:
+                gauge.remove(labels[0])
+                del self._bound[(name, *labels)]
+        for slo, target in targets.items():
+            self.child("llmproxy_slo_target", slo).set(target)
 
     def accept_paused(self, upstream: str) -> Any:
         """The listener's pause counter (acceptor.py). The overload series start at 0, so the

@@ -17,6 +17,7 @@ import queue
 import sqlite3
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -170,14 +171,40 @@ class RecordStore:
                 db.execute("DELETE FROM requests WHERE id <= (SELECT id FROM requests ORDER BY id DESC LIMIT 1 OFFSET ?)", (self.max_rows,))
 
 
-def recent(path: str, limit: int, model: str = "", upstream: str = "", outcome: str = "", api: str = "") -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class Filters:
+    """What /llmproxy/requests (and /ui) may select by; empty: any. `verdict`: good or miss."""
+
+    model: str = ""
+    upstream: str = ""
+    outcome: str = ""
+    api: str = ""
+    slo: str = ""
+    verdict: str = ""
+
+    def match(self, record: dict[str, Any]) -> bool:
+        """The same selection on a record in memory (records off)."""
+        return all(not want or record.get(name) == want for name, want in
+                   (("model", self.model), ("upstream", self.upstream), ("outcome", self.outcome), ("api", self.api), ("slo", self.slo))) \
+            and (not self.verdict or record.get("slo_good") is (self.verdict == "good"))
+
+    def where(self) -> tuple[str, list[Any]]:
+        where: list[str] = []
+        args: list[Any] = []
+        for column, value in (("model", self.model), ("upstream", self.upstream), ("outcome", self.outcome),
+                              ("json_extract(data, '$.api')", self.api), ("json_extract(data, '$.slo')", self.slo)):
+            if value:
+                where.append(f"{column} = ?")
+                args.append(value)
+        if self.verdict:
+            where.append("json_extract(data, '$.slo_good') = ?")
+            args.append(1 if self.verdict == "good" else 0)
+        return (f"WHERE {' AND '.join(where)}" if where else ""), args
+
+
+def recent(path: str, limit: int, filters: Filters = Filters()) -> list[dict[str, Any]]:
     """The newest `limit` records (every worker's), oldest first: for /llmproxy/requests and /ui."""
-    where, args = [], []
-    for column, value in (("model", model), ("upstream", upstream), ("outcome", outcome), ("json_extract(data, '$.api')", api)):
-        if value:
-            where.append(f"{column} = ?")
-            args.append(value)
-    clause = f"WHERE {' AND '.join(where)}" if where else ""
+    clause, args = filters.where()
     db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5.0)
     try:
         rows = db.execute(f"SELECT data FROM requests {clause} ORDER BY id DESC LIMIT ?", (*args, max(0, limit))).fetchall()

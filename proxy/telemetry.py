@@ -24,6 +24,7 @@ from .config import Settings
 from .metrics import ProxyMetrics
 from .offload import Offload
 from .records import RecordStore
+from .slo import SLOs, Verdict
 from .timing import Breakdown, RequestTiming, split
 from .tokens import PromptParts, Tokenizer
 from .tracing import RequestSpans, Tracing
@@ -46,6 +47,7 @@ class RequestContext:
     body: BodyInfo | None = None  # what a non-streaming JSON response said
     upstream: str = ""  # the `upstream` label of the upstream the router chose ("": none was)
     server: tuple[str, int] | None = None  # its host and port (server.address on spans)
+    verdict: Verdict | None = None  # judged against its service-level objective (slo.py), at finish
     finished: bool = False
 
     @property
@@ -102,6 +104,8 @@ def record_dict(ctx: RequestContext, b: Breakdown) -> dict[str, Any]:
         "content_offsets_ms": [round((ns - t.received_ns) / 1e6, 3) for ns in t.content_ns[:MAX_OFFSETS]],
         "content_offsets_truncated": len(t.content_ns) > MAX_OFFSETS,
     }
+    if ctx.verdict is not None:
+        record.update(ctx.verdict.as_record())
     if ctx.trace_id:
         record["trace_id"] = ctx.trace_id
     return record
@@ -129,7 +133,10 @@ class MetricsSink:
         self.metrics, self.upstream = metrics, upstream
 
     def export(self, ctx: RequestContext, b: Breakdown | None) -> None:
-        self.metrics.observe(ctx.timing, b, ctx.upstream or self.upstream, ctx.trace_id)
+        upstream = ctx.upstream or self.upstream
+        self.metrics.observe(ctx.timing, b, upstream, ctx.trace_id)
+        if ctx.verdict is not None:
+            self.metrics.observe_slo(ctx.verdict, ctx.timing.model, upstream)
 
 
 class SpansSink:
@@ -140,7 +147,7 @@ class SpansSink:
 
     def export(self, ctx: RequestContext, b: Breakdown | None) -> None:
         if ctx.spans is not None:  # (finish sends the SERVER and CLIENT spans whatever fails)
-            self.tracing.finish(ctx.spans, ctx.timing, b, ctx.wall_offset_ns, ctx.server)
+            self.tracing.finish(ctx.spans, ctx.timing, b, ctx.wall_offset_ns, ctx.server, ctx.verdict)
 
 
 class RecordsSink:
@@ -167,8 +174,10 @@ class RecordsSink:
 
 
 class Telemetry:
-    def __init__(self, settings: Settings, metrics: ProxyMetrics, tracing: Tracing, tokenizer: Tokenizer | None, offload: Offload) -> None:
+    def __init__(self, settings: Settings, metrics: ProxyMetrics, tracing: Tracing, tokenizer: Tokenizer | None, offload: Offload,
+                 slos: SLOs | None = None) -> None:
         self.settings = settings
+        self.slos = slos or SLOs()
         self.metrics = metrics
         self.tracing = tracing
         self.tokenizer = tokenizer
@@ -293,6 +302,9 @@ class Telemetry:
         b: Breakdown | None = None
         with self._guard("timing"):
             b = split(t)
+        if b is not None:
+            with self._guard("slo"):
+                ctx.verdict = self.slos.judge(t, b)
         if b is not None and self.settings.capture_content:
             t.captured_output = "".join(t.chunk_text) or (ctx.body.text if ctx.body else "")
         for sink in self.sinks:

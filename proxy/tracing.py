@@ -25,6 +25,7 @@ from .timing import Breakdown, RequestTiming
 
 if TYPE_CHECKING:
     from .offload import Offload
+    from .slo import Verdict
 
 # gen_ai.operation.name per endpoint. The Responses API is `chat` with `openai.api.type=responses`,
 # as the OpenAI semantic conventions map it (they define no `responses` operation).
@@ -155,7 +156,7 @@ class Tracing:
         return spans
 
     def finish(self, spans: RequestSpans, t: RequestTiming, b: Breakdown | None, offset_ns: int,
-               server: tuple[str, int] | None = None) -> None:
+               server: tuple[str, int] | None = None, verdict: Verdict | None = None) -> None:
         """Every span of the request, from the record; the SERVER and CLIENT spans go out even when
         building the rest failed."""
         if not spans.sampled or spans.exported:
@@ -173,6 +174,10 @@ class Tracing:
                 server_attrs["error.type"] = t.error or t.outcome
             if b is not None:
                 server_attrs.update(self._attributes(t, b, host, port))
+                if verdict is not None:
+                    server_attrs.update({"llmproxy.slo": verdict.slo, "llmproxy.slo.good": verdict.good,
+                                         "llmproxy.slo.missed": list(verdict.missed) or None,
+                                         "llmproxy.slo.blame": [f"{k}={v}" for k, v in verdict.blame.items()] or None})
                 self._children(out, spans, t, b, wall)
         finally:
             upstream_attrs = {"server.address": host, "server.port": port, "http.response.status_code": t.status_code}

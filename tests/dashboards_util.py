@@ -15,6 +15,9 @@ DASHBOARD = ROOT / "dashboards" / "grafana" / "llm-latency-breakdown.json"
 RULES = ROOT / "dashboards" / "prometheus" / "rules.yml"
 PROM_CONFIG = ROOT / "dashboards" / "prometheus" / "prometheus.yml"
 RULES_TEST = ROOT / "dashboards" / "prometheus" / "rules_test.yml"
+SLO_EXAMPLE = ROOT / "dashboards" / "prometheus" / "slo.yml"
+SLO_RULES = ROOT / "dashboards" / "prometheus" / "slo-rules.yml"
+SLO_RULES_TEST = ROOT / "dashboards" / "prometheus" / "slo-rules_test.yml"
 COMPOSE = ROOT / "dashboards" / "docker-compose.yml"
 
 PROMQL_WORDS = {
@@ -62,11 +65,11 @@ def panel_targets() -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
             yield panel, target
 
 
-def rules() -> list[dict[str, Any]]:
-    return [rule for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"]]
+def rules(path: Path = RULES) -> list[dict[str, Any]]:
+    return [rule for group in yaml.safe_load(path.read_text())["groups"] for rule in group["rules"]]
 
 
 def substitute(expr: str, rate_interval: str = "1m", range_: str = "5m", endpoint: str = ".*") -> str:
     """Grafana's variables, as the dashboard would send them with 'All' selected (or one endpoint)."""
     return (expr.replace("$__rate_interval", rate_interval).replace("$__range", range_).replace("$__interval", "15s")
-            .replace("$upstream", ".*").replace("$model", ".*").replace("$endpoint", endpoint))
+            .replace("$upstream", ".*").replace("$model", ".*").replace("$endpoint", endpoint).replace("$slo", ".*"))

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -81,7 +82,7 @@ class Alertmanager:
         exe = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
         assert exe, "alertmanager missing: run `make test` (it installs Debian's prometheus-alertmanager package)"
         self.port = free_port()
-        config = {"route": {"receiver": "test", "group_by": ["alertname", "model", "upstream", "instance"],
+        config = {"route": {"receiver": "test", "group_by": ["alertname", "model", "upstream", "instance", "slo", "severity"],
                             "group_wait": "0s", "group_interval": "1s", "repeat_interval": "1h"},
                   "receivers": [{"name": "test", "webhook_configs": [{"url": webhook, "send_resolved": True}]}]}
         (workdir / "alertmanager.yml").write_text(yaml.safe_dump(config))
@@ -108,6 +109,26 @@ def loop_until(stop: threading.Event, body: Callable[[float], None], t0: float) 
         except (openai.APIError, httpx.HTTPError):
             time.sleep(0.1)  # an injected 500, a refused request, a proxy that is down: the alerts are the point
         time.sleep(0.01)
+
+
+@contextmanager
+def traffic(workers: list[Callable[[float], None]], t0: float) -> Iterator[None]:
+    """Each worker looping in its own thread (`loop_until`) for as long as the block runs."""
+    stop = threading.Event()
+    threads = [threading.Thread(target=loop_until, args=(stop, work, t0), daemon=True) for work in workers]
+    for thread in threads:
+        thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=35)
+
+
+def wait_until(settled: Callable[[], bool], t0: float, deadline_s: float) -> None:
+    while time.monotonic() - t0 < deadline_s and not settled():
+        time.sleep(0.5)
 
 
 def stream(client: openai.OpenAI, model: str, tokens: int, headers: dict[str, str]) -> int:
@@ -148,7 +169,6 @@ def test_alerts_fire_and_resolve_from_real_traffic_and_only_those(chain):
     base = {name: f"http://127.0.0.1:{port}/v1" for name, port in ports.items()}
     instance = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
     clients = {name: openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=30) for name, url in base.items()}
-    stop = threading.Event()
     t0 = time.monotonic()
 
     def slow_model(at: float) -> None:
@@ -187,28 +207,18 @@ def test_alerts_fire_and_resolve_from_real_traffic_and_only_those(chain):
             time.sleep(0.2)
 
     workers = [slow_model, slow_model, ttft_model, ttft_model, ttft_model, fast_model, slow_reader, leaver, flaky, flaky, *[crowd] * 6]
-    threads = [threading.Thread(target=loop_until, args=(stop, work, t0), daemon=True) for work in workers]
-    for thread in threads:
-        thread.start()
     expected = {
         ("LLMDecodeSpeedLow", "model", "slow-7b"), ("LLMDecodeSpeedDropped", "model", "slow-7b"),
         ("LLMTimeToFirstTokenHigh", "model", "ttft-7b"), ("LLMUpstreamErrorRateHigh", "upstream", "sim-flaky"),
         ("LLMProxySaturated", "instance", instance["small"]), ("LLMProxyDown", "instance", instance["doomed"]),
     }
     doomed = chain["proxies"]["doomed"]
-    try:
+    with traffic(workers, t0):
         time.sleep(max(0.0, 4 - (time.monotonic() - t0)))
         doomed.stop()
         time.sleep(max(0.0, 16 - (time.monotonic() - t0)))
         chain["proxies"]["doomed"] = proxy(sim, "sim-doomed", ports["doomed"])
-        while time.monotonic() - t0 < DEADLINE_S:
-            if all(receiver.seen(alert, "resolved", **{key: value}) for alert, key, value in expected):
-                break
-            time.sleep(0.5)
-    finally:
-        stop.set()
-        for thread in threads:
-            thread.join(timeout=35)
+        wait_until(lambda: all(receiver.seen(alert, "resolved", **{key: value}) for alert, key, value in expected), t0, DEADLINE_S)
     elapsed = time.monotonic() - t0
     timeline = {f"{alert} {value}": [round(min(receiver.seen(alert, s, **{key: value}), default=t0 - 1) - t0, 1) for s in ("firing", "resolved")]
                 for alert, key, value in expected}
@@ -233,3 +243,79 @@ def test_alerts_fire_and_resolve_from_real_traffic_and_only_those(chain):
     assert drop["upstream"] == "sim-main" and drop["severity"] == "warning"
     first_look = receiver.annotations["LLMDecodeSpeedLow"]["first_look"]
     assert "explain --model slow-7b --since 1h" in first_look and "/ui?model=slow-7b&upstream=sim-main" in first_look, first_look
+
+
+SLO_CHAIN = """
+objectives:
+  - name: fast-burn
+    models: [burn-fast]
+    ttft: 0.1
+    target: 0.99
+  - name: slow-burn
+    models: [burn-slow]
+    ttft: 0.1
+    target: 0.99
+  - name: healthy
+    models: [burn-ok]
+    ttft: 0.1
+    target: 0.99
+"""
+
+
+def test_burn_rate_alerts_page_a_fast_burn_ticket_a_slow_one_and_leave_a_healthy_slo_quiet(tmp_path):
+    """The rules `llm-latency-proxy rules --slo` generates, time-scaled (windows 5m..3d become 4..24 s),
+    on Debian's Prometheus and Alertmanager, fed by a real proxy judging real traffic. The bad share
+    of each model is built in, by count: 20% (burn 20: above the page's 14.4 and 6), 4% (burn 4:
+    above the tickets' 3 and 1 only), 0.5% (burn 0.5). The fast burn stops at 14 s: its page resets."""
+    slo_file = tmp_path / "slo.yaml"
+    slo_file.write_text(SLO_CHAIN)
+    generated = subprocess.run([sys.executable, "-m", "proxy", "rules", "--slo", str(slo_file)], capture_output=True, text=True,
+                               timeout=60, cwd=Path(__file__).resolve().parent.parent)
+    assert generated.returncode == 0, generated.stderr
+    rules = tmp_path / "slo-rules.yml"
+    rules.write_text(generate.scaled_rules(generated.stdout, generate.SLO_SCALED_WINDOWS))
+    sim, receiver, started, am, prom = Simulator(), Receiver(), [], None, None
+    port = free_port()
+    try:
+        started.append(proxy(sim, "sim-slo", port, "--slo", str(slo_file)))
+        am = Alertmanager(tmp_path, receiver.url)
+        prom = Prometheus(tmp_path, [f"127.0.0.1:{port}"], rules, alertmanager=f"127.0.0.1:{am.port}")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=30)
+        t0 = time.monotonic()
+
+        def burn(model: str, every: int, until: float = 1e9) -> Callable[[float], None]:
+            sent = [0]
+
+            def one(at: float) -> None:
+                sent[0] += 1
+                slow = sent[0] % every == 0 and at < until  # the n-th, 2n-th, ...: a TTFT miss (150 ms against 100)
+                stream(client, model, 2, {"x-sim-ttft-ms": "150" if slow else "5", "x-sim-decode-tps": "1000"})
+            return one
+
+        workers = [burn("burn-fast", 5, until=14), burn("burn-slow", 25), burn("burn-ok", 200)]
+        with traffic(workers, t0):
+            wait_until(lambda: bool(receiver.seen("LLMSLOBudgetBurn", "resolved", slo="fast-burn", severity="page")
+                                    and receiver.seen("LLMSLOBudgetBurn", "firing", slo="slow-burn", severity="ticket")
+                                    and time.monotonic() - t0 > 30), t0, 60)
+        with receiver.lock:
+            notes = [(round(at - t0, 1), status, labels.get("slo"), labels.get("severity")) for at, status, labels in receiver.notes
+                     if labels["alertname"] == "LLMSLOBudgetBurn"]
+        print(f"\nburn-rate notifications (s from start, status, slo, severity): {notes}")
+        assert receiver.seen("LLMSLOBudgetBurn", "firing", slo="fast-burn", severity="page"), notes
+        assert receiver.seen("LLMSLOBudgetBurn", "resolved", slo="fast-burn", severity="page"), notes  # reset once it stopped
+        assert receiver.seen("LLMSLOBudgetBurn", "firing", slo="slow-burn", severity="ticket"), notes
+        assert not receiver.seen("LLMSLOBudgetBurn", "firing", slo="slow-burn", severity="page"), notes
+        assert not receiver.seen("LLMSLOBudgetBurn", "firing", slo="healthy"), notes
+        page = next(labels for _, s, labels in receiver.notes if labels.get("slo") == "fast-burn" and labels["severity"] == "page")
+        assert page["objective"] == "99%"
+        annotations = receiver.annotations["LLMSLOBudgetBurn"]  # the last notification's: who is spending the budget
+        assert "ttft misses blamed on prefill 100%" in annotations["blame"], annotations
+        assert "/ui?slo=" in annotations["first_look"] and "&verdict=miss" in annotations["first_look"]
+    finally:
+        for each in started:
+            each.stop()
+        for part in (prom, am):
+            if part is not None:
+                part.stop()
+        receiver.server.shutdown()
+        sim.proc.stop()

@@ -8,8 +8,8 @@ import sys
 
 import yaml
 
-from dashboards_util import (COMPOSE, DASHBOARD, PROM_CONFIG, ROOT, RULES, RULES_TEST, dashboard, defined_series,
-                             metric_names, panel_targets, rules)
+from dashboards_util import (COMPOSE, DASHBOARD, PROM_CONFIG, ROOT, RULES, RULES_TEST, SLO_EXAMPLE, SLO_RULES, SLO_RULES_TEST,
+                             dashboard, defined_series, metric_names, panel_targets, rules)
 
 sys.path.insert(0, str(ROOT / "dashboards"))
 import generate  # noqa: E402
@@ -37,14 +37,17 @@ def test_every_metric_used_is_one_the_proxy_defines():
     assert used_in_dashboard and used_in_dashboard <= defined, used_in_dashboard - defined
     used_in_rules = {name for rule in rules() for name in metric_names(rule["expr"])}
     assert used_in_rules <= defined | recorded | {"up"}, used_in_rules - defined - recorded
-    for name in recorded:
+    slo_recorded = {rule["record"] for rule in rules(SLO_RULES) if "record" in rule}
+    used_in_slo_rules = {name for rule in rules(SLO_RULES) for name in metric_names(rule["expr"])}
+    assert used_in_slo_rules and used_in_slo_rules <= defined | slo_recorded, used_in_slo_rules - defined - slo_recorded
+    for name in recorded | slo_recorded:
         assert name.startswith("llmproxy:") and name.count(":") == 2
 
 
 def test_dashboard_structure():
     d = dashboard()
     variables = {v["name"]: v for v in d["templating"]["list"]}
-    assert set(variables) == {"datasource", "upstream", "model", "endpoint"}
+    assert set(variables) == {"datasource", "upstream", "model", "endpoint", "slo"}
     assert variables["datasource"]["query"] == "prometheus"
     titles = [p["title"] for p in d["panels"]]
     for needed in ("Mean seconds per request, by phase", "Share of total time, by phase", "Time to first token",
@@ -52,7 +55,8 @@ def test_dashboard_structure():
                    "Prefill tokens per second, per request", "Upstream connect time by step (new connections)",
                    "Connection reuse ratio", "Upstream RTT (kernel smoothed)", "Tokenizer seconds per request",
                    "Tokenizer microseconds per prompt token", "Requests by outcome and code", "In flight",
-                   "Proxy's own overhead (phase proxy)", "Telemetry errors", "Per model"):
+                   "Proxy's own overhead (phase proxy)", "Telemetry errors", "Per model", "SLO attainment vs target",
+                   "Error budget left (selected range)", "Burn rate (1 h and 6 h)", "Goodput vs throughput", "SLO misses by blamed phase"):
         assert needed in titles, needed
     for panel in d["panels"]:
         if panel["type"] == "row":
@@ -134,6 +138,27 @@ def test_promtool_check_config_and_rules():
 
 def test_promtool_rule_unit_tests():
     assert "SUCCESS" in promtool("test", "rules", str(RULES_TEST))
+
+
+def test_the_slo_rules_are_generated_from_the_example_objectives_and_pass_promtool():
+    assert SLO_RULES.read_text() == generate.outputs()[SLO_RULES], "run: make dashboards"
+    assert f"SUCCESS: {len(rules(SLO_RULES))} rules found" in promtool("check", "rules", str(SLO_RULES))
+    assert "SUCCESS" in promtool("test", "rules", str(SLO_RULES_TEST))
+    alerts = [r for r in rules(SLO_RULES) if "alert" in r]
+    objectives = yaml.safe_load(SLO_EXAMPLE.read_text())["objectives"]
+    assert sorted((a["labels"]["slo"], a["labels"]["severity"]) for a in alerts) == sorted(
+        (o["name"], severity) for o in objectives for severity in ("page", "ticket"))
+    tested = {(a["exp_labels"]["slo"], a["exp_labels"]["severity"]) for t in yaml.safe_load(SLO_RULES_TEST.read_text())["tests"]
+              for case in t["alert_rule_test"] for a in case["exp_alerts"]}
+    assert {("interactive", "page"), ("interactive", "ticket"), ("batch", "ticket")} <= tested
+    titles = {p["title"] for p in dashboard()["panels"]}
+    for alert in alerts:  # every pointer in first_look exists: the row and panel, explain's flags, /ui's filters
+        first_look = alert["annotations"]["first_look"]
+        assert f"'{generate.ROW_SLO}'" in first_look and generate.ROW_SLO in titles and generate.PANEL_SLO_MISSES in titles
+        args = parser().parse_args(first_look.split("`")[1].split()[1:])
+        assert args.command == "explain" and args.slo and args.since
+        page = (ROOT / "proxy" / "waterfall.html").read_text()
+        assert f"/ui?slo={alert['labels']['slo']}&verdict=miss" in first_look and '"slo", "verdict"' in page
 
 
 def test_compose_services_agree_with_the_cli_and_the_scrape_config():

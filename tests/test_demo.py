@@ -13,9 +13,9 @@ def test_demo_prints_the_measured_split():
                          cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     lines = [line for line in out.stdout.splitlines() if line.startswith("│")]
-    assert len(lines) == 12
+    assert len(lines) == 14
     cells = [[cell.strip() for cell in line.split("│")[1:-1]] for line in lines]
-    rows, reasoning, apis = lines[:4], cells[4:7], cells[7:]
+    rows, reasoning, apis, slos = lines[:4], cells[4:7], cells[7:12], cells[12:]
     assert rows[0].split("│")[1].strip() == "100" and rows[-1].split("│")[1].strip() == "10000"
     # 20 output tokens at 100 tok/s = 0.19 s of decode: prefill dominates from 1,000 prompt tokens on.
     assert rows[0].rstrip(" │").endswith("decode") and rows[-1].rstrip(" │").endswith("prefill")
@@ -28,6 +28,12 @@ def test_demo_prints_the_measured_split():
     assert [r[0] for r in apis] == ["openai chat", "openai responses", "anthropic messages", "gemini generate_content", "ollama ollama_chat"]
     assert all(r[6:] == [apis[0][6], "20"] for r in apis)  # prompt and completion tokens agree
     assert all(r[1].endswith("ms") and r[5] != "0.0" for r in apis)
+    # Every request judged: the long prompts (5,000 and 10,000 tokens) and the hidden reasoning miss TTFT, each blamed on
+    # its phase; the batching engine misses TPOT at 12 streams (decode), and its capacity is the law's 11 streams within 10%.
+    interactive, batched = slos
+    assert interactive[0] == "interactive" and interactive[2] == "12" and interactive[7] == "ttft: prefill 2, reasoning 1"
+    assert batched[0] == "batched" and batched[7].startswith("tpot: decode ") and batched[8].endswith("streams (peak 12)")
+    assert 9.9 <= float(batched[8].split()[0]) <= 12.1, batched
     # It ends with `explain` over its own traffic (read back from its records database) and the page's address.
     assert "llm-latency-proxy explain --db" in out.stdout and "== sim-7b @ 127.0.0.1:" in out.stdout
     assert "prefill: " in out.stdout and "dominates" in out.stdout and "/ui" in out.stdout

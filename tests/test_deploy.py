@@ -22,7 +22,7 @@ import generate  # noqa: E402
 from proxy.cli import parser  # noqa: E402
 
 K8S = ROOT / "deploy" / "kubernetes"
-CORE = ("deployment", "service", "hpa", "pdb", "routes-configmap", "grafana-dashboard-configmap")
+CORE = ("deployment", "service", "hpa", "pdb", "routes-configmap", "slo-configmap", "grafana-dashboard-configmap")
 
 
 def load(name: str) -> dict:
@@ -64,6 +64,11 @@ def test_the_deployment_runs_safely_and_drains_streams():
     mounts = {m["mountPath"] for m in container["volumeMounts"]}
     routes_dir = str(Path(args.routes).parent)
     assert routes_dir in mounts and any(e["name"] == "XDG_DATA_HOME" and e["value"] in mounts for e in container["env"])
+    assert args.slo == generate.SLO_IN_POD and str(Path(args.slo).parent) in mounts  # the objectives beside the routes
+    config = next(v for v in pod["volumes"] if v["name"] == "config")
+    names = {source["configMap"]["name"] for source in config["projected"]["sources"]}
+    assert names == {load("routes-configmap")["metadata"]["name"], load("slo-configmap")["metadata"]["name"]}
+    assert Path(args.slo).name in load("slo-configmap")["data"] and Path(args.routes).name in load("routes-configmap")["data"]
 
 
 def test_service_monitor_scrapes_the_admin_port_with_the_admin_key():
@@ -98,6 +103,21 @@ def test_prometheus_rule_is_generated_from_the_rules_file_and_passes_promtool(tm
     out = subprocess.run([promtool, "check", "rules", str(rules)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
     print("\n" + shlex.join(["promtool", "check", "rules", "(PrometheusRule spec.groups)"]) + ": " + out.stdout.strip().splitlines()[-1])
+
+
+def test_the_slo_resources_are_generated_from_the_example_objectives(tmp_path):
+    outputs = generate.outputs()
+    for name in ("slo-prometheusrule.yaml", "slo-configmap.yaml"):
+        assert (K8S / name).read_text() == outputs[K8S / name], "run: make dashboards"
+    rule = load("slo-prometheusrule")
+    assert rule["kind"] == "PrometheusRule" and set(rule["spec"]) == {"groups"}
+    assert rule["spec"]["groups"][1:] != [] and all(r["labels"]["slo"] for g in rule["spec"]["groups"][1:] for r in g["rules"])
+    assert generate.SLO_IN_POD in rule["spec"]["groups"][1]["rules"][0]["annotations"]["first_look"]  # the pod's path, for explain
+    rules = tmp_path / "rules.yml"
+    rules.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+    out = subprocess.run([shutil.which("promtool") or "promtool", "check", "rules", str(rules)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert load("slo-configmap")["data"]["slo.yaml"] == (ROOT / "dashboards/prometheus/slo.yml").read_text()
 
 
 def test_the_dashboard_configmap_is_the_generated_dashboard():

@@ -93,13 +93,21 @@ def test_observe_many_equals_observing_one_by_one():
 
 
 @pytest.mark.e2e
-def test_series_at_the_model_cap(proxy):
+def test_series_at_the_model_cap(proxy_factory, tmp_path):
     """100 models through every API the proxy measures (chat, completions, Responses, Anthropic
     Messages, Gemini, Ollama chat, streaming and not; embeddings; Azure's chat path) on the real proxy: one scrape stays
     under 20,000 series and 3 MB (the label-set budget folds what exceeds it into model="other"),
-    with no _created series and engine-only children only where an engine reported (Ollama)."""
+    with no _created series and engine-only children only where an engine reported (Ollama). Every
+    model is judged against an SLO stating all three objectives (its series at their most: 2 results
+    and every blame of ttft, tpot, e2e and error, per set, for SLO_SETS sets and `other`)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
     import scrape
+
+    from proxy.metrics import BLAMES, SLO_SETS
+
+    objectives = tmp_path / "slo.yaml"
+    objectives.write_text("objectives:\n  - name: all\n    models: ['*']\n    ttft: 0.5\n    tpot: 0.05\n    e2e: 30\n    target: 0.99\n")
+    proxy = proxy_factory(slo=str(objectives))
 
     assert scrape.fill_to_the_cap(proxy.url) == 1500
     body = httpx.get(f"{proxy.url}/metrics").content
@@ -115,4 +123,6 @@ def test_series_at_the_model_cap(proxy):
     assert 25 <= len(named) < 100 and any(b'model="other"' in line for line in requests)
     endpoints = {re.search(rb'endpoint="([^"]+)"', line).group(1) for line in requests}
     assert endpoints == {b"chat", b"completions", b"embeddings", b"responses", b"messages", b"generate_content", b"ollama_chat"}
+    slo = [line for line in body.splitlines() if line.startswith((b"llmproxy_slo_requests_total{", b"llmproxy_slo_misses_total{"))]
+    assert len(slo) == (SLO_SETS + 1) * (2 + sum(map(len, BLAMES.values()))), len(slo)  # every set at its most, `other` included
     assert sum(float(line.rsplit(b" ", 1)[1]) for line in requests) == 1500  # every request counted, named or not

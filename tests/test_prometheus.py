@@ -13,7 +13,9 @@ import httpx
 import pytest
 
 from servers import Process, Prometheus, Simulator
-from dashboards_util import RULES, dashboard, panel_targets, rules, substitute
+import yaml
+
+from dashboards_util import RULES, SLO_EXAMPLE, SLO_RULES, dashboard, panel_targets, rules, substitute
 from proxy.demo import free_port
 from proxy.load import Mix, run_load
 
@@ -34,15 +36,17 @@ def has_data(data: dict[str, Any]) -> bool:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     workdir = tmp_path_factory.mktemp("prom")
-    test_rules = workdir / "rules.yml"
-    test_rules.write_text(generate.scaled_rules(RULES.read_text()))  # (the alert chain's own test: test_alerts.py)
+    test_rules = workdir / "rules.yml"  # the proxy's rules and the burn-rate rules of the example objectives, in one file
+    groups = yaml.safe_load(generate.scaled_rules(RULES.read_text()))["groups"] + yaml.safe_load(SLO_RULES.read_text())["groups"]
+    test_rules.write_text(yaml.safe_dump({"groups": groups}))  # (the alert chains' own tests: test_alerts.py)
     sim = Simulator("--jitter", "0.05")
     # Two proxy replicas, both scraped, as a fleet runs them: every panel must sum over instances.
     # `localhost` (not an IP) so the DNS step is measured too.
     # --max-in-flight well above the test load: the saturation panel has a cap to divide by.
     ports = [free_port(), free_port()]
-    proxies = [Process(["serve", "--upstream", f"http://localhost:{sim.port}/v1", "--port", str(port), "--max-in-flight", "64"],
-                       f"http://127.0.0.1:{port}/healthz") for port in ports]
+    # The example objectives (dashboards/prometheus/slo.yml) judge the load: the SLO row has data.
+    proxies = [Process(["serve", "--upstream", f"http://localhost:{sim.port}/v1", "--port", str(port), "--max-in-flight", "64",
+                        "--slo", str(SLO_EXAMPLE)], f"http://127.0.0.1:{port}/healthz") for port in ports]
     prom = Prometheus(workdir, [f"127.0.0.1:{port}" for port in ports], test_rules)
     try:
         yield {"sim": sim, "proxy": f"http://127.0.0.1:{ports[0]}", "proxies": [f"http://127.0.0.1:{p}" for p in ports], "prom": prom}
@@ -97,7 +101,8 @@ def test_every_panel_query_and_rule_returns_data(stack):
             assert values, variable["name"]
             if variable["name"] == "endpoint":
                 assert {"chat", "completions", "responses", "messages", "generate_content", "ollama_chat"} <= set(values), values
-    recorded, alerts = [r for r in rules() if "record" in r], [r for r in rules() if "alert" in r]
+    everything = rules() + rules(SLO_RULES)
+    recorded, alerts = [r for r in everything if "record" in r], [r for r in everything if "alert" in r]
     for rule in recorded:  # production windows, evaluated directly
         assert has_data(prom.query(rule["expr"])), rule["record"]
     for rule in alerts:  # valid against real series; firing is the live test's job

@@ -20,7 +20,9 @@ def test_the_waterfall_matches_the_records(proxy_factory, tmp_path):
 
     chromium = shutil.which("chromium")
     assert chromium, "chromium missing: run `make test` (it installs Debian's chromium package)"
-    proxy = proxy_factory(records_db=str(tmp_path / "records.sqlite"))
+    objectives = tmp_path / "slo.yaml"  # the 2,000-token prompt (400 ms of prefill) misses TTFT; the 500 is an error
+    objectives.write_text("objectives:\n  - name: chat\n    models: [sim-7b]\n    ttft: 0.3\n    tpot: 0.05\n    target: 0.99\n")
+    proxy = proxy_factory(records_db=str(tmp_path / "records.sqlite"), slo=str(objectives))
     with httpx.Client(base_url=proxy.v1, timeout=30) as client:
         for tokens, prompt, headers in ((20, 200, {}), (40, 2000, {"x-sim-decode-tps": "80"}), (10, 50, {"x-sim-hidden-reasoning": "15"}),
                                         (30, 800, {"x-sim-chunk-pattern": "3,1"}), (5, 100, {"x-sim-error-status": "500"})):
@@ -75,6 +77,19 @@ def test_the_waterfall_matches_the_records(proxy_factory, tmp_path):
             page.wait_for_function("document.querySelectorAll('.row').length === 1")
             assert len(failed) == 1 and page.input_value("#outcome") == "upstream_error" and page.input_value("#api") == "openai"
             assert page.input_value("#upstream") == failed[0]["upstream"]
+            # The misses of an SLO (a burn alert's first_look link): each row marked with what it missed and why.
+            missed = [r for r in proxy.records() if r.get("slo_good") is False]
+            assert [(r["slo_missed"], r["slo_blame"]) for r in missed] == [(["ttft"], {"ttft": "prefill"}), (["error"], {"error": "upstream_error"})]
+            page.goto(f"{proxy.url}/ui?slo=chat&verdict=miss")
+            page.wait_for_selector("body[data-loaded=true]")
+            page.wait_for_function("document.querySelectorAll('.row.missed').length === 2")
+            assert len(page.query_selector_all(".row")) == 2 and page.input_value("#verdict") == "miss"
+            assert [m.inner_text() for m in page.query_selector_all(".row .miss")] == ["✗ error: upstream_error", "✗ ttft: prefill"]
+            page.locator(".row").nth(1).click()  # (a locator: the page redraws its rows every 2 s)
+            page.wait_for_function("document.querySelector('#detail').innerText.includes('chat: missed ttft: prefill')")
+            page.select_option("#verdict", "good")
+            page.wait_for_function("document.querySelectorAll('.row').length > 0 && document.querySelectorAll('.row.missed').length === 0")
+            assert len(page.query_selector_all(".row")) == sum(1 for r in proxy.records() if r.get("slo_good") is True)
         finally:
             browser.close()
     print(f"\n{len(rows)} bars, worst segment {worst:.3f} px off its record; screenshot {ARTIFACT}")

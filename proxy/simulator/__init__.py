@@ -8,7 +8,10 @@ jitter never accumulates). A role-only chunk goes out at once, as OpenAI sends i
 counted it as the first token would be caught. Per-request overrides come as `x-sim-*` headers;
 `POST /sim/config` changes defaults at run time; `GET /sim/stats` says what the simulator saw
 (requests, completed streams, client disconnects, when each content chunk of the last stream was
-sent), so tests can observe a close from the far side and time stamps against what was sent.
+sent), so tests can observe a close from the far side and time stamps against what was sent. With
+`batch_alpha_ms` / `batch_beta_ms` (flags `--batch-alpha-ms`, `--batch-beta-ms`, or `/sim/config`)
+chat and completions streams follow continuous batching's law: time per token = alpha + beta x the
+streams decoding at once.
 
 Production shapes, per request (STREAMS.md lists what real servers send):
 `x-sim-hidden-reasoning: N` (N reasoning tokens generated before the first visible one, never
@@ -75,6 +78,19 @@ class SimConfig:
     usage_null_chunks: bool = True  # with include_usage, every chunk carries "usage": null (OpenAI)
     deterministic: bool = False  # fixed `created`, for byte comparisons
     seed: int = 0
+    # Continuous batching (chat and completions streams): with either set, each next token takes
+    # alpha + beta x (streams decoding now) per token, decided as the one before it goes out, instead
+    # of 1 / decode_tps: time per token grows with the batch, as an engine's does.
+    batch_alpha_ms: float = 0.0
+    batch_beta_ms: float = 0.0
+
+    @property
+    def batching(self) -> bool:
+        return self.batch_alpha_ms > 0 or self.batch_beta_ms > 0
+
+    def batch_gap_s(self, decoding: int) -> float:
+        """Seconds per token with `decoding` streams in the batch (this one included)."""
+        return (self.batch_alpha_ms + self.batch_beta_ms * decoding) / 1000
 
 
 class SimStats:
@@ -109,6 +125,7 @@ class Simulator:
         self.config = config or SimConfig()
         self.tokenizer = tokenizer or Tokenizer()
         self.stats = SimStats()
+        self.decoding = 0  # streams between their first and last token now (the batching law's batch)
         self.rng = random.Random(self.config.seed)
         self._big: dict[tuple[Any, ...], bytes] = {}  # serialised parse-heavy bodies (x-sim-logprobs)
 

@@ -74,22 +74,31 @@ async def stream(sim: "Simulator", send: Any, kind: str, ident: str, created: in
     padding = " " * int(headers.get("x-sim-token-bytes", "0"))
     sent = 0
     times = sim.stats.last_send_times = []
-    for at, index, field, words in plan.chunks:
-        if 0 <= drop_after <= sent:
-            return  # leave the response incomplete: uvicorn closes the connection mid-stream
-        if 0 <= stall_after <= sent:
-            await asyncio.Event().wait()  # silent forever (until the client leaves)
-        while keepalive and sent == 0 and received + at - time.monotonic() > keepalive:
-            await asyncio.sleep(keepalive)
-            await send({"type": "http.response.body", "body": b": keep-alive\n\n", "more_body": True})
-        await asyncio.sleep(max(0.0, received + at - time.monotonic()))
-        before = time.monotonic()
-        await send({"type": "http.response.body", "body": event([choice(index, "".join(words) + padding, None, field=field)]), "more_body": True})
-        sim.stats.tokens_sent += len(words)
-        times.append((before, time.monotonic()))
-        if malformed and sent == 0:
-            await send({"type": "http.response.body", "body": b'data: {"choices": [{"delta": {"content": "unterminated\n\n', "more_body": True})
-        sent += 1
+    batching, due = cfg.batching, 0.0
+    try:
+        for at, index, field, words in plan.chunks:
+            if 0 <= drop_after <= sent:
+                return  # leave the response incomplete: uvicorn closes the connection mid-stream
+            if 0 <= stall_after <= sent:
+                await asyncio.Event().wait()  # silent forever (until the client leaves)
+            while keepalive and sent == 0 and received + at - time.monotonic() > keepalive:
+                await asyncio.sleep(keepalive)
+                await send({"type": "http.response.body", "body": b": keep-alive\n\n", "more_body": True})
+            # The batching law: the next token's time is decided by the batch as the previous one left.
+            due = due + len(words) * cfg.batch_gap_s(sim.decoding) if batching and sent else received + at
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            before = time.monotonic()
+            await send({"type": "http.response.body", "body": event([choice(index, "".join(words) + padding, None, field=field)]), "more_body": True})
+            sim.stats.tokens_sent += len(words)
+            times.append((before, time.monotonic()))
+            if malformed and sent == 0:
+                await send({"type": "http.response.body", "body": b'data: {"choices": [{"delta": {"content": "unterminated\n\n', "more_body": True})
+            if sent == 0:
+                sim.decoding += 1
+            sent += 1
+    finally:
+        if sent:
+            sim.decoding -= 1
     tail = b"".join(event([choice(index, None, "length")]) for index in range(plan.choices))
     if include_usage:
         metrics = plan.vllm_metrics() if headers.get("x-sim-vllm-metrics") == "1" else None

@@ -1,0 +1,102 @@
+"""What the records say about each service-level objective, for `explain`: attainment, the error
+budget left, goodput, misses by objective and blamed phase; and capacity, the concurrency at which
+the decode fit's time per token reaches the `tpot` objective.
+
+Capacity from passive traffic: the decode fit is ITL ≈ α + β·c, with c the requests in flight when
+a request began decoding; at the objective T the engine holds c* = (T - α) / β streams. A straight
+line through one or two concurrency levels says little about a third, so the answer needs
+`MIN_LEVELS` distinct levels with at least `MIN_PER_LEVEL` decoding requests each and a positive
+slope; otherwise `streams` is None and `note` says why. c is what this proxy saw: several proxy
+replicas in front of one engine each see their share of its streams (read them together, `--db`).
+"""
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+from .slo import Objective
+
+MIN_LEVELS = 3
+MIN_PER_LEVEL = 3
+
+
+def _span_s(records: list[dict[str, Any]]) -> float:
+    start = min(r["received_unix_ns"] for r in records)
+    end = max(r["received_unix_ns"] + r["duration_s"] * 1e9 for r in records)
+    return max(1e-9, (end - start) / 1e9)
+
+
+def attainment(records: list[dict[str, Any]], name: str, objective: Objective | None) -> dict[str, Any]:
+    """One SLO over these records: judged, good, attainment, budget left, goodput, misses by blame."""
+    judged = [r for r in records if r.get("slo") == name and r.get("slo_good") is not None]
+    good = sum(1 for r in judged if r["slo_good"])
+    misses: dict[str, collections.Counter[str]] = {}
+    for r in judged:
+        for missed, blamed in (r.get("slo_blame") or {}).items():
+            misses.setdefault(missed, collections.Counter())[blamed] += 1
+    out: dict[str, Any] = {"judged": len(judged), "good": good, "bad": len(judged) - good,
+                           "attainment": good / len(judged) if judged else None,
+                           "misses": {missed: dict(counts.most_common()) for missed, counts in sorted(misses.items())}}
+    if judged:
+        seconds = _span_s(judged)
+        out.update(goodput_rps=good / seconds, throughput_rps=len(judged) / seconds, window_s=seconds)
+    if objective is not None:
+        out["target"] = objective.target
+        out["objectives"] = objective.thresholds
+        if judged:  # 1: untouched, 0: spent, below 0: overspent, over the records' window (--since)
+            out["budget_left"] = 1.0 - (out["bad"] / len(judged)) / objective.budget
+    return out
+
+
+def capacity(decoding: list[dict[str, Any]], decode: dict[str, Any] | None, objective: Objective | None) -> dict[str, Any] | None:
+    """{"tpot_s", "streams", "peak_streams"} for a model group with a tpot objective (None without one)."""
+    if objective is None or objective.tpot is None:
+        return None
+    levels = collections.Counter(r["in_flight_at_decode"] for r in decoding if r.get("decode_tokens_per_second") and r.get("in_flight_at_decode"))
+    used = sorted(level for level, n in levels.items() if n >= MIN_PER_LEVEL)
+    out: dict[str, Any] = {"tpot_s": objective.tpot, "streams": None, "peak_streams": max(levels) if levels else None, "levels": len(used)}
+    if len(used) < MIN_LEVELS:
+        out["note"] = (f"needs decoding requests at {MIN_LEVELS} or more concurrency levels ({MIN_PER_LEVEL} or more each); "
+                       f"seen at {len(used)}{' (' + ', '.join(map(str, used)) + ')' if used else ''}")
+        return out
+    if decode is None or "slope" not in decode or decode["slope"] <= 0:
+        out["note"] = "time per token does not grow with concurrency here: no limit can be read off the fit"
+        return out
+    streams = (objective.tpot - decode["intercept"]) / decode["slope"]
+    out["streams"] = max(0.0, streams)
+    if streams < 1:
+        out["note"] = "the objective is missed even at one stream: decode is too slow for it"
+    elif out["peak_streams"]:
+        out["headroom"] = streams / out["peak_streams"]
+    return out
+
+
+def summary(records: list[dict[str, Any]], objectives: tuple[Objective, ...]) -> dict[str, dict[str, Any]]:
+    """Per SLO over every model it covers (the objectives file's, and any the records name)."""
+    names = [o.name for o in objectives] + sorted({r["slo"] for r in records if r.get("slo")} - {o.name for o in objectives})
+    by_name = {o.name: o for o in objectives}
+    return {name: attainment(records, name, by_name.get(name)) for name in names}
+
+
+def render(name: str, s: dict[str, Any]) -> list[str]:
+    """Lines of the text report for one SLO."""
+    if not s["judged"]:
+        return [f"SLO {name}: no judged requests in this window"]
+    target = f" (target {s['target']:.2%})" if "target" in s else ""
+    budget = f", error budget left {s['budget_left']:.0%}" if "budget_left" in s else ""
+    lines = [f"SLO {name}: {s['good']} of {s['judged']} good, attainment {s['attainment']:.2%}{target}{budget}; "
+             f"goodput {s['goodput_rps']:.2f} req/s of {s['throughput_rps']:.2f} req/s"]
+    for missed, blamed in s["misses"].items():
+        total = sum(blamed.values())
+        parts = ", ".join(f"{phase} {n / total:.0%}" for phase, n in blamed.items())
+        lines.append(f"  {missed} misses: {total} ({parts})")
+    return lines
+
+
+def render_capacity(c: dict[str, Any]) -> str:
+    head = f"capacity at tpot {c['tpot_s'] * 1000:g} ms: "
+    if c["streams"] is None or "note" in c:
+        value = f"{c['streams']:.1f} streams; " if c["streams"] is not None else ""
+        return head + value + c.get("note", "")
+    return head + (f"{c['streams']:.1f} concurrent streams (peak seen {c['peak_streams']}, headroom {c['headroom']:.1f}x; "
+                   f"from {c['levels']} concurrency levels)")

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install prometheus chromium alertmanager demo test test-fast test-vllm bench soak lock audit dashboards clean
+.PHONY: install prometheus chromium alertmanager postgresql demo test test-fast test-vllm bench soak lock audit dashboards clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,7 +26,12 @@ chromium:
 alertmanager:
 	scripts/ensure-debian-package.sh prometheus-alertmanager prometheus-alertmanager
 
-test: $(STAMP) prometheus chromium alertmanager
+# The server, for the records store's tests (their clusters live in temporary folders). Its
+# programs are not on PATH (Debian keeps them in /usr/lib/postgresql/VERSION/bin).
+postgresql:
+	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || scripts/ensure-debian-package.sh postgresql pg_ctlcluster
+
+test: $(STAMP) prometheus chromium alertmanager postgresql
 	$(PY) -m mypy
 	$(PY) -m pytest
 
@@ -67,7 +72,7 @@ $(ENVOY_VENV)/.installed:
 # to the same run, for a before/after.
 BEFORE ?=
 bench: $(STAMP) $(LITELLM_VENV)/.installed $(ENVOY_VENV)/.installed
-	$(PY) -m pip install --quiet matplotlib aiohttp py-spy granian
+	$(PY) -m pip install --quiet matplotlib aiohttp py-spy granian asyncpg
 	ENVOY=$(ENVOY_VENV)/bin/envoy LITELLM_PYTHON=$(LITELLM_VENV)/bin/python $(PY) bench/compare.py --out bench/results.json --plot bench/compare.png $(if $(BEFORE),--before $(BEFORE))
 	$(PY) bench/stamps.py
 	ENVOY=$(ENVOY_VENV)/bin/envoy $(PY) bench/hop.py
@@ -80,6 +85,7 @@ bench: $(STAMP) $(LITELLM_VENV)/.installed $(ENVOY_VENV)/.installed
 	$(PY) bench/overhead.py --pairs 300
 	$(PY) bench/overload.py --cap 128 --burst 512 --rounds 4 --out bench/overload.json
 	$(PY) bench/records_cost.py
+	$(PY) bench/records_store.py
 	$(PY) bench/workers.py
 	$(if $(BEFORE),$(PY) bench/accept.py --before $(BEFORE))
 

@@ -69,6 +69,22 @@ else:
     work_items += [("SLO verdict, a good request (SLOs.judge)", lambda t: good.judge(t, b)),
                    ("SLO verdict, a TTFT miss with its blame", lambda t: missing.judge(t, b)),
                    ("SLO metrics (ProxyMetrics.observe_slo)", lambda t: metrics.observe_slo(verdict, "m", "u"))]
+try:
+    from proxy.meters import Meters
+except ImportError:  # an older checkout: no OTLP metrics
+    pass
+else:
+    meters = Meters(Settings(upstream="http://10.0.0.5:8000/v1"), metrics.models)  # (no exporter: the recording alone)
+    work_items.append(("OTLP metrics (Meters.export, when an OTLP endpoint is set)", lambda t: meters.export(t, b, "u", None, None)))
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    sdk = MeterProvider(metric_readers=[InMemoryMetricReader()]).get_meter("bench")
+    instruments = [sdk.create_histogram(f"h{i}") for i in range(12)]
+    attributes = {"gen_ai.operation.name": "chat", "gen_ai.provider.name": "openai", "gen_ai.request.model": "m",
+                  "server.address": "10.0.0.5", "server.port": 8000, "llmproxy.phase": "decode"}
+    work_items.append(("the same 12 points through the OTel SDK's Histogram.record (not used)",
+                       lambda t: [h.record(0.1, attributes) for h in instruments]))
 for label, work in work_items:
     began = time.perf_counter()
     for t in records:

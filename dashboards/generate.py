@@ -329,8 +329,8 @@ def with_first_looks(text: str) -> str:
 SCALED_WINDOWS = {"5m": "8s", "1h": "12s", "1d": "28s"}
 SCALED_FOR = {"2m": "2s", "5m": "3s", "10m": "4s", "15m": "4s"}
 # The burn-rate rules' windows (proxy/rules.py), scaled for their own chain test: each short window
-# stays shorter than its long one, and the shortest still holds four 1 s scrapes.
-SLO_SCALED_WINDOWS = {"5m": "4s", "30m": "6s", "1h": "8s", "2h": "10s", "6h": "14s", "1d": "18s", "3d": "24s"}
+# stays shorter than its long one, and the shortest still holds three 1 s scrapes.
+SLO_SCALED_WINDOWS = {"5m": "3s", "30m": "4s", "1h": "6s", "2h": "8s", "6h": "10s", "1d": "12s", "3d": "16s"}
 
 
 def scaled_rules(text: str, windows: dict[str, str] = SCALED_WINDOWS) -> str:

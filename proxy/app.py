@@ -11,7 +11,6 @@ import hmac
 import logging
 import os
 import signal
-import sqlite3
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -26,6 +25,7 @@ from .acceptor import ProxyLoop
 from .admission import Admission, raise_open_files_limit
 from .config import Settings
 from .errors import error_body
+from .meters import Meters, build_meters
 from .metrics import ProxyMetrics, multiprocess_enabled
 from .relay import Exchange
 from .request import KEY_HEADERS, filter_headers
@@ -39,6 +39,8 @@ from .upstream import Upstream
 
 log = logging.getLogger("llmproxy")
 SETTINGS_ENV = "LLMPROXY_SETTINGS_JSON"
+RECORDS_FLUSH_S = 5.0  # at shutdown, after the drain: what the records buffer may take to reach the store
+RETAIN_EVERY_S = 5.0  # PostgreSQL retention, by one replica at a time (SQLite: after every batch)
 ADMIN_PATHS = ("/metrics", "/healthz", "/ui")  # and /llmproxy/*: never relayed
 
 
@@ -51,6 +53,7 @@ class ProxyApp:
         registry: CollectorRegistry | None = None,
         tracer_provider: Any = None,
         tokenizer: Tokenizer | None = None,
+        meters: Meters | None = None,
     ) -> None:
         self.settings = settings
         multiprocess = multiprocess_enabled()
@@ -63,7 +66,9 @@ class ProxyApp:
             tokenizer = Tokenizer(settings.default_encoding)
         self.slos = SLOs(settings.slo)  # --slo: a broken file is refused here, at start, with its line
         self.metrics.slo_targets({o.name: o.target for o in self.slos.objectives})
-        self.telemetry = Telemetry(settings, self.metrics, Tracing(tracer_provider, settings), tokenizer, self.offload, self.slos)
+        # OTLP metrics, beside /metrics, when an OTLP endpoint is configured (a test passes its own).
+        self.meters = meters if meters is not None else build_meters(settings, self.metrics.models, self.metrics.telemetry_error)
+        self.telemetry = Telemetry(settings, self.metrics, Tracing(tracer_provider, settings), tokenizer, self.offload, self.slos, self.meters)
         self.router = Router(settings)  # --routes, or the one --upstream for every model
         self.admission = Admission(settings.max_in_flight)
         self.metrics.child("llmproxy_max_in_flight", settings.upstream_label).set(settings.max_in_flight)
@@ -146,10 +151,7 @@ class ProxyApp:
         loop = asyncio.get_running_loop()
         if isinstance(loop, ProxyLoop):  # (a test may serve the app on another loop)
             loop.on_pause = count_pause
-        records_path = self.settings.records_path
-        if records_path:  # the writer thread, in each worker (all write to one file, WAL mode)
-            self.telemetry.records_sink.store = records.RecordStore(records_path, self.settings.records_max_rows,
-                                                            self.settings.records_max_age, lambda: self.telemetry.count_error("records"))
+        self.telemetry.records_sink.store = self._records_writer()  # its thread, in each worker
         tokenizer = self.telemetry.tokenizer
         if tokenizer is not None:  # load the BPE tables before the first request needs them
             tokenizer.preload()
@@ -160,16 +162,34 @@ class ProxyApp:
             watcher.cancel()
             await self.telemetry.drain()  # every finished request exported before the exporters stop
             store = self.telemetry.records_sink.store
-            if store is not None:
-                await asyncio.to_thread(store.close)
+            if store is not None:  # what is buffered, written within the deadline (the rest: counted, `shutdown`)
+                await asyncio.to_thread(store.close, RECORDS_FLUSH_S)
             self.router.close()
             if self.tracer_provider is not None:
                 self.tracer_provider.shutdown()
+            if self.meters is not None:
+                await asyncio.to_thread(self.meters.shutdown)  # its last export: what the finisher recorded since the previous one
             self.offload.shutdown()
             if self.metrics.multiprocess:
                 from prometheus_client import multiprocess
 
                 multiprocess.mark_process_dead(os.getpid())
+
+    def _records_writer(self) -> records.Writer | None:
+        """The records store --records-db names (SQLite: every worker on one file, WAL mode; PostgreSQL:
+        every replica on one table), behind this process's bounded buffer; None when records are off."""
+        s, target = self.settings, self.settings.records_path
+        if not target:
+            return None
+        backend = records.open_backend(target, s.records_max_rows, s.records_max_age, s.records_db_password_file)
+        buffered, written = self.metrics.child("llmproxy_records_buffered"), self.metrics.child("llmproxy_records_written")
+
+        def on_batch(stored: int, waiting: int) -> None:
+            written.inc(stored)
+            buffered.set(waiting)
+
+        return records.Writer(backend, s.instance_name, s.records_buffer, s.records_buffer_bytes, lambda: self.telemetry.count_error("records"),
+                              self.metrics.records_dropped, RETAIN_EVERY_S if records.is_postgres(target) else 0.0, on_batch)
 
     async def _count_descriptors(self) -> None:
         """llmproxy_open_fds, once a second (in a thread: listing thousands of descriptors takes ms)."""
@@ -215,17 +235,17 @@ class ProxyApp:
 
         @app.get("/llmproxy/requests")
         async def requests(limit: int = 100, model: str = "", upstream: str = "", outcome: str = "", api: str = "", slo: str = "",
-                           verdict: str = "") -> Any:
-            """The most recent per-request records, newest last: every worker's, from the records
-            database (this worker's in memory when records are off or unreadable). `verdict`: good
-            or miss (its SLO verdict)."""
-            filters = records.Filters(model, upstream, outcome, api, slo, verdict)
-            path = self.settings.records_path
-            if path and telemetry.records_sink.store is not None:
-                await asyncio.to_thread(telemetry.records_sink.store.flush)
+                           verdict: str = "", instance: str = "") -> Any:
+            """The most recent per-request records, newest last: every worker's (with PostgreSQL, every
+            replica's), from the records store (this worker's in memory when records are off or the
+            store unreadable). `verdict`: good or miss (its SLO verdict); `instance`: one replica."""
+            filters = records.Filters(model, upstream, outcome, api, slo, verdict, instance)
+            store = telemetry.records_sink.store
+            if store is not None:
+                await asyncio.to_thread(store.flush)
                 try:
-                    return await asyncio.to_thread(records.recent, path, limit, filters)
-                except sqlite3.Error:
+                    return await asyncio.to_thread(store.recent, limit, filters)
+                except Exception:  # noqa: BLE001 - unreadable (a corrupt file, the server down): counted, served from memory
                     telemetry.count_error("records")
             rows = [r for r in telemetry.records if filters.match(r)]
             return rows[-limit:] if limit > 0 else []

@@ -55,13 +55,13 @@ def explain(args: argparse.Namespace) -> int:
     import glob
 
     from .explain import explain as analyse
-    from .explain import load as load_records
     from .explain import render, to_json
-    from .records import default_path
+    from .records import load as load_records
+    from .records.sqlite import default_path
 
     paths = args.db or sorted(glob.glob(default_path(0).replace("records-0.sqlite", "records-*.sqlite")))
     if not paths:
-        raise ValueError("no records database: pass --db PATH (the proxy's --records-db)")
+        raise ValueError("no records database: pass --db PATH (the proxy's --records-db: a file, or postgresql://…)")
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
     since = float(args.since[:-1]) * units[args.since[-1]] if args.since else 0.0
     hardware = None
@@ -70,7 +70,7 @@ def explain(args: argparse.Namespace) -> int:
             raise ValueError("--roofline needs --params and --bandwidth")
         hardware = {"params": args.params, "bytes_per_param": args.bytes_per_param, "bandwidth": args.bandwidth,
                     "kv_bytes_per_token": args.kv_bytes_per_token}
-    records = load_records(paths, since, args.model)
+    records = load_records(paths, since, args.model, args.db_password_file or os.environ.get("LLMPROXY_RECORDS_DB_PASSWORD_FILE", ""))
     objectives: tuple[Objective, ...] = ()
     slo_path = args.slo or os.environ.get("LLMPROXY_SLO", "")
     if slo_path:
@@ -146,7 +146,9 @@ def parser() -> argparse.ArgumentParser:
     p_demo.set_defaults(func=demo)
 
     p_explain = commands.add_parser("explain", help="the latency budget of recorded traffic: fits, split, crossover, what-ifs")
-    p_explain.add_argument("--db", action="append", default=[], help="records database (repeat: one per replica; default: this machine's)")
+    p_explain.add_argument("--db", action="append", default=[],
+                           help="records store: an SQLite file (repeat: one per replica; default: this machine's) or a fleet's postgresql://… URL")
+    p_explain.add_argument("--db-password-file", default="", help="file holding the PostgreSQL password (default: $LLMPROXY_RECORDS_DB_PASSWORD_FILE)")
     p_explain.add_argument("--since", default="", help="only requests that ended in this window: 90s, 30m, 1h, 2d")
     p_explain.add_argument("--model", default="")
     p_explain.add_argument("--json", action="store_true", help="the whole report as JSON")

@@ -73,7 +73,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("otlp_endpoint", str, "", "OTLP/HTTP endpoint for spans (default: the OTEL_EXPORTER_OTLP_* variables)"),
     Option("service_name", str, "", "service.name of the spans (default: OTEL_SERVICE_NAME or llm-latency-proxy)"),
     Option("records", int, 1000, "recent per-request records kept in memory (for GET /llmproxy/requests when --records-db is off)"),
-    Option("records_db", str, "auto", "SQLite file for durable per-request records (auto: records-PORT.sqlite in the user data directory, $XDG_DATA_HOME or ~/.local/share/llm-latency-proxy; empty: off)"),
+    Option("records_db", str, "auto", "where durable per-request records go: an SQLite file (auto: records-PORT.sqlite in the user data directory, $XDG_DATA_HOME or ~/.local/share/llm-latency-proxy), or postgresql://USER@HOST:PORT/DB, one store for every replica; empty: off"),
+    Option("records_db_password_file", str, "", "file holding the PostgreSQL password (a mounted Secret; re-read at each connect); also libpq's PGPASSWORD or a password in the URL"),
+    Option("records_buffer", int, 50_000, "records waiting for the store at most (it is down or slow); past it, or past --records-buffer-bytes, the oldest are dropped and counted"),
+    Option("records_buffer_bytes", int, 64 * 1024 * 1024, "bytes of records (as JSON) waiting for the store at most"),
+    Option("instance", str, "", "this replica's name on its records (default: $POD_NAME, else HOSTNAME:PORT)"),
     Option("records_max_rows", int, 1_000_000, "records kept in the database at most (oldest deleted first; 0: no limit)"),
     Option("records_max_age", float, 7 * 24 * 3600.0, "seconds a record is kept in the database (0: no limit)"),
     Option("log_requests", bool, False, "log one JSON line per finished request (timings only, no text)"),
@@ -136,7 +140,11 @@ class Settings:
     otlp_endpoint: str = ""
     service_name: str = ""
     records: int = 1000
-    records_db: str = "auto"
+    records_db: str = field(default="auto", repr=False)  # a PostgreSQL URL may hold a password
+    records_db_password_file: str = ""
+    records_buffer: int = 50_000
+    records_buffer_bytes: int = 64 * 1024 * 1024
+    instance: str = ""
     records_max_rows: int = 1_000_000
     records_max_age: float = 7 * 24 * 3600.0
     log_requests: bool = False
@@ -179,12 +187,19 @@ class Settings:
 
     @property
     def records_path(self) -> str:
-        """The records database file, or "" when records are off."""
+        """The records store (an SQLite file or a PostgreSQL URL), or "" when records are off."""
         if self.records_db != "auto":
             return self.records_db
-        from .records import default_path
+        from .records.sqlite import default_path
 
         return default_path(self.port)
+
+    @property
+    def instance_name(self) -> str:
+        """What this replica's records are tagged with: --instance (or the pod's name, $POD_NAME), else host:port."""
+        import socket
+
+        return self.instance or f"{socket.gethostname()}:{self.port}"
 
     def client_keys(self) -> tuple[str, ...]:
         """The keys clients may present (--api-key and --api-keys-file); empty: no proxy auth."""
@@ -239,4 +254,5 @@ def build_settings(args: argparse.Namespace | None = None, environ: Mapping[str,
         if raw is None and option.env in env:
             raw = env[option.env]
         values[option.name] = option.default if raw is None else _convert(option, raw)
+    values["instance"] = values["instance"] or env.get("POD_NAME", "")  # (the Kubernetes downward API sets it)
     return Settings(**values, upstream_api_key=_resolve_key(values["upstream_api_key_env"], env))

@@ -19,7 +19,6 @@ import collections
 
 import json
 import random
-import sqlite3
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -67,24 +66,10 @@ def roofline(params: float, bytes_per_param: float, bandwidth: float, kv_bytes_p
 
 
 def load(paths: Iterable[str], since_s: float = 0.0, model: str = "") -> list[dict[str, Any]]:
-    """Records from one or more databases (one per replica), newest window only, optionally one model."""
-    out: list[dict[str, Any]] = []
-    cutoff = time.time_ns() - int(since_s * 1e9) if since_s > 0 else 0
-    for path in paths:
-        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5.0)
-        try:
-            query = "SELECT data, upstream FROM requests WHERE ended_ns >= ?"
-            args: list[Any] = [cutoff]
-            if model:
-                query += " AND model = ?"
-                args.append(model)
-            for data, upstream in db.execute(query, args):
-                record = orjson.loads(data)
-                record.setdefault("upstream", upstream)
-                out.append(record)
-        finally:
-            db.close()
-    return out
+    """Records from one or more stores (records.load: SQLite files, or a fleet's PostgreSQL)."""
+    from .records import load as load_records
+
+    return load_records(list(paths), since_s, model)
 
 
 def _median(values: list[float]) -> float | None:

@@ -14,6 +14,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary, disable_created_metrics
 from prometheus_client.exposition import choose_encoder, generate_latest
 
+from .records import DROP_REASONS
 from .slo import BEFORE_FIRST_TOKEN, FAILED, Verdict
 from .timing import PHASES, Breakdown, RequestTiming
 
@@ -35,7 +36,7 @@ RTT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
 
 BASE = ("model", "upstream", "endpoint", "stream")
 # Telemetry components, initialised to 0 so dashboards and alerts see the series before any error.
-COMPONENTS = ("metrics", "tracing", "tokenizer", "records", "timing", "slo", "otlp_export")
+COMPONENTS = ("metrics", "tracing", "tokenizer", "records", "timing", "slo", "otlp_export", "otlp_metrics")
 # Why the proxy itself answered 503 proxy_overloaded (errors.EXHAUSTED holds the exhaustion ones).
 REJECT_REASONS = ("max_in_flight", "descriptors", "ports", "memory")
 # Why a relayed response was not (wholly) measured (timing.Unmeasured).
@@ -84,7 +85,10 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("llmproxy_tokenize_seconds", "summary", "Tokenizer time per request, by kind (prompt, completion).", ("model", "kind")),
     MetricDef("llmproxy_tokens", "counter", "Tokens by kind (prompt, completion, cached_prompt: prompt tokens served from the cache, reasoning: hidden reasoning tokens, part of completion) and source (usage, engine, tokenizer).", ("model", "upstream", "kind", "source")),
     MetricDef("llmproxy_upstream_connections", "counter", "Upstream requests by whether they reused a pooled connection.", ("upstream", "reused")),
-    MetricDef("llmproxy_telemetry_errors", "counter", "Failures inside metrics, tracing, tokenizer, records or the SLO verdict; the request itself was unaffected.", ("component",)),
+    MetricDef("llmproxy_telemetry_errors", "counter", "Failures inside metrics, tracing, tokenizer, records, the SLO verdict or OTLP exports (otlp_export: spans, otlp_metrics: metrics); the request itself was unaffected.", ("component",)),
+    MetricDef("llmproxy_records_written", "counter", "Per-request records written to the records store (--records-db).", ()),
+    MetricDef("llmproxy_records_buffered", "gauge", "Per-request records waiting to be written to the records store now (the store is down or slow when it grows).", ()),
+    MetricDef("llmproxy_records_dropped", "counter", "Per-request records that never reached the store, by reason: buffer_full (the store was down or slow past --records-buffer or --records-buffer-bytes: the oldest went), rejected (the store refused a batch for what it held), shutdown (not written within the flush deadline at SIGTERM).", ("reason",)),
     MetricDef("llmproxy_slo_requests", "counter", "Generation requests judged against their service-level objective (--slo), by result: good (every stated objective met) or bad. Exact counts: the error ratio and burn rate are bad / all.", ("slo", "model", "upstream", "result")),
     MetricDef("llmproxy_slo_misses", "counter", "Bad requests by the objective missed (ttft, tpot, e2e, error) and its blame: for ttft and e2e the phase furthest above its usual value for the model, for tpot decode, for error the outcome. A request that missed two objectives counts once in each.", ("slo", "model", "upstream", "objective", "blame")),
     MetricDef("llmproxy_slo_target", "gauge", "Each objective's target from the --slo file: the share of its requests that must be good (the error budget is 1 - target).", ("slo",)),
@@ -175,6 +179,8 @@ class ProxyMetrics:
         self._bound: dict[tuple[str, ...], Any] = {}
         for component in COMPONENTS:
             self.m["llmproxy_telemetry_errors"].labels(component)
+        for reason in DROP_REASONS:
+            self.child("llmproxy_records_dropped", reason)
 
     def child(self, name: str, *labels: str) -> Any:
         """The child for these label values, bound once (no label validation per observation)."""
@@ -190,6 +196,10 @@ class ProxyMetrics:
 
     def telemetry_error(self, component: str) -> None:
         self.child("llmproxy_telemetry_errors", component).inc()
+
+    def records_dropped(self, reason: str, count: int) -> None:
+        """(From the records writer's thread: prometheus_client's children take their own lock.)"""
+        self.child("llmproxy_records_dropped", reason).inc(count)
 
     def observe(self, t: RequestTiming, b: Breakdown | None, upstream: str, trace_id: str | None = None) -> None:
         """Everything about one finished request, in one place. The latency breakdown describes

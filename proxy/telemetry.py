@@ -21,9 +21,10 @@ import orjson
 from . import apis
 from .chunk import BodyInfo, read_usage
 from .config import Settings
+from .meters import Meters
 from .metrics import ProxyMetrics
 from .offload import Offload
-from .records import RecordStore
+from .records import Writer
 from .slo import SLOs, Verdict
 from .timing import Breakdown, RequestTiming, split
 from .tokens import PromptParts, Tokenizer
@@ -155,27 +156,40 @@ class RecordsSink:
 
     name = "records"
 
-    def __init__(self, size: int, log_requests: bool, upstream: str) -> None:
+    def __init__(self, size: int, log_requests: bool, upstream: str, instance: str) -> None:
         self.records: collections.deque[dict[str, Any]] = collections.deque(maxlen=max(1, size))
         self.log_requests = log_requests
-        self.upstream = upstream
-        self.store: RecordStore | None = None  # opened by the app at start-up, in each worker
+        self.upstream, self.instance = upstream, instance
+        self.store: Writer | None = None  # opened by the app at start-up, in each worker
 
     def export(self, ctx: RequestContext, b: Breakdown | None) -> None:
         if b is None:
             return
         record = record_dict(ctx, b)
         record["upstream"] = ctx.upstream or self.upstream
+        record["instance"] = self.instance
         self.records.append(record)
         if self.store is not None:
-            self.store.add(record, ctx.timing.model, record["upstream"])
+            self.store.add(record)
         if self.log_requests:
             request_log.info(orjson.dumps(record).decode())
 
 
+class MetersSink:
+    """OTLP metrics (meters.py), when an OTLP endpoint is configured."""
+
+    name = "otlp_metrics"
+
+    def __init__(self, meters: Meters, upstream: str) -> None:
+        self.meters, self.upstream = meters, upstream
+
+    def export(self, ctx: RequestContext, b: Breakdown | None) -> None:
+        self.meters.export(ctx.timing, b, ctx.upstream or self.upstream, ctx.server, ctx.verdict)
+
+
 class Telemetry:
     def __init__(self, settings: Settings, metrics: ProxyMetrics, tracing: Tracing, tokenizer: Tokenizer | None, offload: Offload,
-                 slos: SLOs | None = None) -> None:
+                 slos: SLOs | None = None, meters: Meters | None = None) -> None:
         self.settings = settings
         self.slos = slos or SLOs()
         self.metrics = metrics
@@ -183,8 +197,9 @@ class Telemetry:
         self.tokenizer = tokenizer
         self.offload = offload
         self.upstream = settings.upstream_label
-        self.records_sink = RecordsSink(settings.records, settings.log_requests, self.upstream)
-        self.sinks: tuple[Sink, ...] = (MetricsSink(metrics, self.upstream), SpansSink(tracing), self.records_sink)
+        self.records_sink = RecordsSink(settings.records, settings.log_requests, self.upstream, settings.instance_name)
+        self.sinks: tuple[Sink, ...] = (MetricsSink(metrics, self.upstream), SpansSink(tracing), self.records_sink,
+                                        *((MetersSink(meters, self.upstream),) if meters is not None else ()))
         self._logged: set[str] = set()
         self._backlog: collections.deque[RequestContext] = collections.deque()
         self._finisher: asyncio.Task[None] | None = None

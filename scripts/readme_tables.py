@@ -1,4 +1,4 @@
-"""Writes the README's flag and metric tables from their one definition in the code.
+"""Writes the README's flag, metric and OTLP instrument tables from their one definition in the code.
 
     .venv/bin/python scripts/readme_tables.py          # rewrite the tables in README.md
     (tests/test_docs.py fails when the README differs from what this would write)
@@ -11,6 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from proxy.config import OPTIONS  # noqa: E402
+from proxy.meters import INSTRUMENTS  # noqa: E402
 from proxy.metrics import METRICS  # noqa: E402
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -26,8 +27,13 @@ def metrics_table() -> str:
     return "\n".join(["| metric | type | labels | definition |", "|---|---|---|---|", *rows])
 
 
+def instruments_table() -> str:
+    rows = [f"| `{d.name}` | {d.kind} | `{d.unit}` | {d.doc} |" for d in INSTRUMENTS]
+    return "\n".join(["| instrument | type | unit | definition |", "|---|---|---|---|", *rows])
+
+
 def render(text: str) -> str:
-    for name, table in (("flags", flags_table()), ("metrics", metrics_table())):
+    for name, table in (("flags", flags_table()), ("metrics", metrics_table()), ("instruments", instruments_table())):
         text = re.sub(rf"(<!-- {name}:start -->\n).*?(\n<!-- {name}:end -->)", lambda m: m.group(1) + table + m.group(2), text, flags=re.S)
     return text
 

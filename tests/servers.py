@@ -360,3 +360,66 @@ class Prometheus:
     def stop(self) -> None:
         self.process.terminate()
         self.process.wait(timeout=15)
+
+
+class Postgres:
+    """Debian's PostgreSQL in a cluster of the test's own: a fresh data folder, password
+    (scram-sha-256) authentication on 127.0.0.1, run as the `postgres` user when the suite runs as
+    root (PostgreSQL refuses root). `stop` and `start` for outages; `dsn` holds no password (the
+    proxies read it from `password_file`, as a Kubernetes Secret would be mounted)."""
+
+    USER, DATABASE = "llmproxy", "postgres"
+
+    def __init__(self, password: str = "pg-SECRET-7f3a9c-do-not-log") -> None:
+        import glob
+        import pwd
+        import tempfile
+
+        found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
+        assert found, "PostgreSQL missing: run `make test` (it installs Debian's postgresql package)"
+        self.bindir = str(Path(found[-1]).parent)
+        self.password, self.port = password, free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="llmproxy-pg-"))  # (under /tmp: the postgres user can reach it)
+        self.run_as: list[str] = []
+        owner = None
+        if os.getuid() == 0:
+            owner = pwd.getpwnam("postgres")
+            self.run_as = ["runuser", "-u", "postgres", "--"]
+        self.password_file = self.dir / "password"
+        self.password_file.write_text(password + "\n")
+        if owner is not None:
+            os.chown(self.dir, owner.pw_uid, owner.pw_gid)
+            os.chown(self.password_file, owner.pw_uid, owner.pw_gid)
+        self.data = self.dir / "data"
+        subprocess.run([*self.run_as, f"{self.bindir}/initdb", "-D", str(self.data), "-U", self.USER, "--auth=scram-sha-256",
+                        f"--pwfile={self.password_file}", "-E", "UTF8", "--no-sync"], check=True, capture_output=True, timeout=120)
+        self.start()
+
+    @property
+    def dsn(self) -> str:
+        return f"postgresql://{self.USER}@127.0.0.1:{self.port}/{self.DATABASE}"
+
+    def _ctl(self, *args: str) -> None:
+        subprocess.run([*self.run_as, f"{self.bindir}/pg_ctl", "-D", str(self.data), *args], check=True, capture_output=True, timeout=60)
+
+    def start(self) -> None:
+        # fsync off: a test cluster's durability is not under test; its availability is.
+        self._ctl("-l", str(self.dir / "server.log"), "-w", "-o",
+                  f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200", "start")
+
+    def stop(self, mode: str = "fast") -> None:
+        self._ctl("-m", mode, "-w", "stop")
+
+    def query(self, sql: str, *args: Any) -> list[tuple[Any, ...]]:
+        import psycopg
+
+        with psycopg.connect(self.dsn, password=self.password, autocommit=True) as conn:
+            cursor = conn.execute(sql, args or None)
+            return cursor.fetchall() if cursor.description else []
+
+    def destroy(self) -> None:
+        try:
+            self.stop("immediate")
+        except subprocess.CalledProcessError:
+            pass  # (already stopped)
+        shutil.rmtree(self.dir, ignore_errors=True)

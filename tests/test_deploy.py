@@ -71,6 +71,50 @@ def test_the_deployment_runs_safely_and_drains_streams():
     assert Path(args.slo).name in load("slo-configmap")["data"] and Path(args.routes).name in load("routes-configmap")["data"]
 
 
+def json_patch(document: dict, operations: list[dict]) -> dict:
+    """RFC 6902 `add` (what the component uses), as kustomize applies it."""
+    out = copy.deepcopy(document)
+    for operation in operations:
+        assert operation["op"] == "add", operation
+        *parents, last = operation["path"].strip("/").split("/")
+        target = out
+        for key in parents:
+            target = target[int(key)] if isinstance(target, list) else target[key]
+        if last == "-":
+            target.append(operation["value"])
+        elif isinstance(target, list):
+            target.insert(int(last), operation["value"])
+        else:
+            target[last] = operation["value"]
+    return out
+
+
+def test_the_postgresql_component_points_every_replica_at_one_store_from_a_secret():
+    component = yaml.safe_load((K8S / "components" / "postgresql" / "kustomization.yaml").read_text())
+    assert component["kind"] == "Component" and component["apiVersion"] == "kustomize.config.k8s.io/v1alpha1"
+    (patch,) = component["patches"]
+    assert patch["target"] == {"kind": "Deployment", "name": load("deployment")["metadata"]["name"]}
+    deployment = json_patch(load("deployment"), yaml.safe_load(patch["patch"]))
+    kubernetes_validate.validate(deployment, "1.37.0", strict=True)
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    secret = env["LLMPROXY_RECORDS_DB"]["valueFrom"]["secretKeyRef"]
+    password_file = Path(env["LLMPROXY_RECORDS_DB_PASSWORD_FILE"]["value"])
+    volume = next(v for v in pod["volumes"] if v.get("secret", {}).get("secretName") == secret["name"])
+    mount = next(m for m in container["volumeMounts"] if m["name"] == volume["name"])
+    assert Path(mount["mountPath"]) == password_file.parent and mount["readOnly"]
+    assert volume["secret"]["items"] == [{"key": "password", "path": password_file.name}]  # the password alone, never in the URL key
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"  # records tagged with the pod
+    from proxy.config import build_settings
+
+    settings = build_settings(parser().parse_args(container["args"]),
+                              {"LLMPROXY_RECORDS_DB": "postgresql://llmproxy@postgres:5432/llmproxy",
+                               "LLMPROXY_RECORDS_DB_PASSWORD_FILE": str(password_file), "POD_NAME": "llm-latency-proxy-abc12"})
+    assert settings.records_path.startswith("postgresql://") and settings.records_db_password_file == str(password_file)
+    assert settings.instance_name == "llm-latency-proxy-abc12"
+
+
 def test_service_monitor_scrapes_the_admin_port_with_the_admin_key():
     monitor, service, deployment = load("servicemonitor"), load("service"), load("deployment")
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1" and monitor["kind"] == "ServiceMonitor"
@@ -132,7 +176,10 @@ def test_the_collector_tail_samples_the_slow_and_the_failed():
     config = yaml.safe_load((ROOT / "deploy" / "otel-collector.yaml").read_text())
     assert set(config["receivers"]["otlp"]["protocols"]) >= {"http"}
     pipelines = config["service"]["pipelines"]
-    assert set(pipelines) == {"traces"}  # metrics never go through it
+    assert set(pipelines) == {"traces", "metrics"}
+    assert "tail_sampling" not in pipelines["metrics"]["processors"]  # every request counts: metrics are never sampled
+    for name in pipelines["metrics"]["processors"] + pipelines["metrics"]["exporters"]:
+        assert name in config["processors"] or name in config["exporters"]
     traces = pipelines["traces"]
     assert traces["receivers"] == ["otlp"] and "tail_sampling" in traces["processors"]
     assert traces["processors"][0] == "memory_limiter" and traces["processors"][-1] == "batch"

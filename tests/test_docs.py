@@ -3,6 +3,7 @@ import sys
 from pathlib import Path
 
 from proxy.config import OPTIONS
+from proxy.meters import INSTRUMENTS
 from proxy.metrics import METRICS
 from proxy.timing import OUTCOMES, PHASES
 
@@ -24,6 +25,11 @@ def test_every_flag_and_env_var_is_documented():
 def test_every_metric_is_documented_with_its_definition():
     for d in METRICS:
         assert f"| `{d.exposed}` | {d.kind} | {', '.join(d.labels)} | {d.doc} |" in README, d.name
+
+
+def test_every_otlp_instrument_is_documented_with_its_definition():
+    for d in INSTRUMENTS:
+        assert f"| `{d.name}` | {d.kind} | `{d.unit}` | {d.doc} |" in README, d.name
 
 
 def test_phase_and_outcome_names_match():

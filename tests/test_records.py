@@ -13,7 +13,8 @@ import pytest
 
 from servers import Process
 from proxy.demo import free_port
-from proxy.records import RecordStore, recent
+from proxy.records import Writer
+from proxy.records.sqlite import SQLiteBackend, recent
 
 pytestmark = pytest.mark.e2e
 KEY = "sk-live-RECORDS-SECRET-0123456789"
@@ -92,17 +93,25 @@ def test_every_worker_writes_and_nothing_is_lost(tmp_path, sim):
     assert len({pid for pid, *_ in stored}) == 2, "both workers wrote"
 
 
+RECORD = {"endpoint": "chat", "stream": True, "outcome": "ok", "model": "m", "upstream": "u", "api": "openai"}
+
+
+def writer(path: str, errors: list[int], drops: list[tuple[str, int]] | None = None, **limits) -> Writer:
+    backend = SQLiteBackend(path, limits.pop("max_rows", 0), limits.pop("max_age_s", 0.0), limits.pop("busy_timeout_s", 5.0))
+    return Writer(backend, "test", limits.pop("max_records", 1000), limits.pop("max_bytes", 10**7), lambda: errors.append(1),
+                  lambda reason, n: (drops if drops is not None else []).append((reason, n)))
+
+
 def test_retention_keeps_rows_and_age_bounded(tmp_path):
     path = str(tmp_path / "r.sqlite")
     errors: list[int] = []
-    store = RecordStore(path, max_rows=50, max_age_s=1.0, on_error=lambda: errors.append(1))
-    record = {"endpoint": "chat", "stream": True, "outcome": "ok", "model": "m"}
+    store = writer(path, errors, max_rows=50, max_age_s=1.0)
     for _ in range(200):
-        store.add(record, "m", "u")
+        store.add(RECORD)
     store.flush()
     assert len(recent(path, 1000)) == 50
     time.sleep(1.2)
-    store.add(record, "m", "u")
+    store.add(RECORD)
     store.flush()
     assert len(recent(path, 1000)) == 1  # the 50 older than max_age are gone
     store.close()
@@ -112,21 +121,35 @@ def test_retention_keeps_rows_and_age_bounded(tmp_path):
 def test_a_locked_file_is_counted_and_written_once_free(tmp_path):
     path = str(tmp_path / "r.sqlite")
     errors: list[int] = []
-    store = RecordStore(path, max_rows=0, max_age_s=0, on_error=lambda: errors.append(1), busy_timeout_s=0.2)
-    record = {"endpoint": "chat", "stream": True, "outcome": "ok", "model": "m"}
-    store.add(record, "m", "u")
+    store = writer(path, errors, busy_timeout_s=0.2)
+    store.add(RECORD)
     store.flush()
     holder = sqlite3.connect(path, isolation_level=None)
     holder.execute("BEGIN EXCLUSIVE")  # another process holding the write lock
-    store.add(record, "m", "u")
-    store.flush(timeout=5)
+    store.add(RECORD)
+    deadline = time.monotonic() + 5
+    while not errors and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert errors, "the locked write was counted"
     holder.execute("ROLLBACK")
     holder.close()
-    store.add(record, "m", "u")
-    store.flush()
+    store.add(RECORD)
+    store.flush(timeout=10)
     store.close()
-    assert len(recent(path, 10)) == 2  # the first and the last; the one during the lock was lost, and counted
+    assert len(recent(path, 10)) == 3  # the one added during the lock waited in the buffer, and went in once the file was free
+
+
+def test_past_the_buffer_the_oldest_are_dropped_and_counted(tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the database's folder would be: the store cannot open")
+    errors: list[int] = []
+    drops: list[tuple[str, int]] = []
+    store = writer(str(blocker / "r.sqlite"), errors, drops, max_records=10)
+    for i in range(25):
+        store.add({**RECORD, "model": f"m{i}"})
+    assert sum(n for reason, n in drops if reason == "buffer_full") == 15 and store.buffered == 10  # the 15 oldest went
+    store.close(timeout=0.5)
+    assert [(reason, n) for reason, n in drops if reason == "shutdown"] == [("shutdown", 10)] and errors  # the rest, at the deadline
 
 
 def test_a_corrupt_file_never_reaches_a_request(proxy_factory, tmp_path):

@@ -1,0 +1,265 @@
+"""One records store for a fleet: a real PostgreSQL (Debian's, a cluster in a temporary folder,
+password authentication), several proxies writing at once, the server stopped and restarted
+mid-load, a cold start without it, a SIGTERM flush, and the password in nothing the proxy writes."""
+from __future__ import annotations
+
+import json
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+from proxy.demo import free_port
+from proxy.records import Filters, Writer
+from proxy.records.postgres import SCHEMA_VERSION, TABLE, PostgresBackend, migrate, connect, redact
+
+from servers import ROOT, Postgres, Process, scraped
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def pg() -> Iterator[Postgres]:
+    server = Postgres()
+    yield server
+    server.destroy()
+
+
+@pytest.fixture
+def clean(pg: Postgres) -> Postgres:
+    if pg.query("SELECT to_regclass('llmproxy_requests')")[0][0] is not None:
+        pg.query(f"TRUNCATE {TABLE}")
+    return pg
+
+
+def replica(sim: Any, pg: Postgres, name: str, tmp_path: Path, *flags: str) -> Process:
+    port = free_port()
+    process = Process(["serve", "--upstream", f"{sim.url}/v1", "--port", str(port), "--records-db", pg.dsn, "--records-db-password-file",
+                       str(pg.password_file), "--instance", name, "--log-level", "info", *flags], f"http://127.0.0.1:{port}/healthz",
+                      log=tmp_path / f"{name}.log")
+    process.url = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
+    return process
+
+
+BODY = {"model": "sim-7b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}
+
+
+def send(url: str, model: str = "sim-7b", client: httpx.Client | None = None) -> float:
+    """One streamed request (3 tokens, 5 ms to the first); its duration as the client saw it."""
+    began = time.perf_counter()
+    response = (client or httpx).post(f"{url}/v1/chat/completions", json={**BODY, "model": model}, headers={"x-sim-ttft-ms": "5"},
+                                      timeout=30)
+    assert response.status_code == 200, response.text
+    return time.perf_counter() - began
+
+
+def rows(pg: Postgres) -> int:
+    return pg.query(f"SELECT count(*) FROM {TABLE}")[0][0]
+
+
+def wait_rows(pg: Postgres, count: int, timeout: float = 15.0) -> int:
+    deadline = time.monotonic() + timeout
+    while (n := rows(pg)) < count and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return n
+
+
+def test_three_replicas_give_one_explain_and_one_ui_of_all_their_traffic(sim, clean, tmp_path):
+    pg = clean
+    replicas = [replica(sim, pg, f"pod-{i}", tmp_path) for i in range(3)]
+    try:
+        with ThreadPoolExecutor(6) as pool:  # all three at once, each its own model
+            list(pool.map(lambda i: send(replicas[i % 3].url, f"model-{i % 3}"), range(60)))
+        assert wait_rows(pg, 60) == 60
+        fleet = httpx.get(f"{replicas[0].url}/llmproxy/requests", params={"limit": 1000}).json()  # any replica: the fleet's
+        assert len(fleet) == 60 and {r["instance"] for r in fleet} == {"pod-0", "pod-1", "pod-2"}
+        one = httpx.get(f"{replicas[2].url}/llmproxy/requests", params={"limit": 1000, "instance": "pod-1"}).json()
+        assert len(one) == 20 and {(r["instance"], r["model"]) for r in one} == {("pod-1", "model-1")}
+        metrics = "".join(httpx.get(f"{r.url}/metrics").text for r in replicas)
+        assert scraped(replicas[0].url, "llmproxy_records_written_total") == 20
+        ui_rows = waterfall(replicas[1].url)  # /ui on any replica: the fleet's requests, one replica at a time by `instance`
+        assert ui_rows == {"": 60, "pod-0": 20, "pod-1": 20, "pod-2": 20}
+    finally:
+        for each in replicas:
+            each.stop()
+    done = subprocess.run([sys.executable, "-m", "proxy", "explain", "--db", pg.dsn, "--db-password-file", str(pg.password_file), "--json"],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    report = {name: group for name, group in json.loads(done.stdout).items() if name.startswith("model-")}  # (the browser's favicon: `unknown`)
+    assert sorted(name.split(" @ ")[0] for name in report) == ["model-0", "model-1", "model-2"]
+    assert all(group["requests"] == 20 for group in report.values())
+    stored = pg.query(f"SELECT instance, count(*), count(DISTINCT rid) FROM {TABLE} WHERE model LIKE 'model-%' GROUP BY instance ORDER BY instance")
+    assert stored == [("pod-0", 20, 20), ("pod-1", 20, 20), ("pod-2", 20, 20)]
+    logs = "".join((tmp_path / f"pod-{i}.log").read_text() for i in range(3))
+    everything = logs + metrics + done.stdout + json.dumps(fleet) + str(pg.query(f"SELECT data::text FROM {TABLE}"))
+    assert pg.password not in everything and "do-not-log" not in everything
+
+
+def waterfall(url: str) -> dict[str, int]:
+    """The rows of the test's chat traffic /ui draws, unfiltered and for each instance its filter offers
+    (Debian's Chromium; its own GET /favicon.ico is relayed and recorded too, as api `other`)."""
+    import shutil
+
+    from playwright.sync_api import sync_playwright
+
+    from test_waterfall import CHROMIUM_ARGS
+
+    counts = {}
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=shutil.which("chromium"), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            page.goto(f"{url}/ui")
+            chats = "[...document.querySelectorAll('.row .label')].filter(l => l.innerText.includes(' openai chat ')).length"
+            page.wait_for_function(f"{chats} > 0")
+            counts[""] = page.evaluate(chats)
+            for name in [o for o in page.eval_on_selector_all("#instance option", "os => os.map(o => o.value)") if o]:
+                page.select_option("#instance", name)
+                page.wait_for_function(f"[...document.querySelectorAll('.row')].every(r => r.title === '{name}')")
+                counts[name] = page.evaluate(chats)
+        finally:
+            browser.close()
+    return counts
+
+
+def test_a_restart_mid_load_loses_no_record_and_adds_no_latency(sim, clean, tmp_path):
+    pg = clean
+    proxy = replica(sim, pg, "pod-r", tmp_path)
+    stop = threading.Event()
+    timeline: list[tuple[float, float]] = []  # (when, duration)
+    lock = threading.Lock()
+
+    def load() -> None:
+        with httpx.Client() as client:  # one kept connection each: the duration is the request's, not a new client's set-up
+            while not stop.is_set():
+                took = send(proxy.url, client=client)
+                with lock:
+                    timeline.append((time.monotonic(), took))
+
+    threads = [threading.Thread(target=load) for _ in range(4)]
+    try:
+        for thread in threads:
+            thread.start()
+        time.sleep(2.0)
+        down = time.monotonic()
+        pg.stop("fast")  # mid-load: connections cut, the writer's batch fails
+        time.sleep(3.0)
+        assert scraped(proxy.url, "llmproxy_records_buffered") > 0  # waiting, not lost
+        pg.start()
+        up = time.monotonic()
+        time.sleep(2.0)
+        stop.set()
+        for thread in threads:
+            thread.join()
+        sent = len(timeline)
+        assert wait_rows(pg, sent, timeout=20) == sent  # every record, none twice
+        assert pg.query(f"SELECT count(DISTINCT rid) FROM {TABLE}")[0][0] == sent
+        assert scraped(proxy.url, "llmproxy_records_dropped_total") == 0
+        assert scraped(proxy.url, "llmproxy_telemetry_errors_total", component="records") >= 1  # the outage was counted
+    finally:
+        stop.set()
+        proxy.stop()
+    before = [took for at, took in timeline if at < down]
+    during = [took for at, took in timeline if down + 0.2 < at < up]
+    print(f"\n{len(timeline)} requests; client-side duration median before the outage {statistics.median(before) * 1000:.1f} ms, "
+          f"during it {statistics.median(during) * 1000:.1f} ms ({len(during)} requests)")
+    assert len(during) > 50 and statistics.median(during) < statistics.median(before) + 0.005  # no added latency (5 ms of slack)
+    log = (tmp_path / "pod-r.log").read_text()
+    assert "cannot be written to" in log and "reachable again" in log and pg.password not in log
+
+
+def test_a_replica_that_starts_while_postgresql_is_down_serves_and_writes_later(sim, clean, tmp_path):
+    pg = clean
+    pg.stop("fast")
+    try:
+        proxy = replica(sim, pg, "pod-cold", tmp_path)
+        for _ in range(10):
+            send(proxy.url)
+        served = httpx.get(f"{proxy.url}/llmproxy/requests", params={"limit": 100}).json()  # from memory meanwhile
+        assert len(served) == 10
+    finally:
+        pg.start()
+    try:
+        assert wait_rows(pg, 10, timeout=20) == 10
+        assert len(httpx.get(f"{proxy.url}/llmproxy/requests", params={"limit": 100}).json()) == 10  # now from the store
+    finally:
+        proxy.stop()
+
+
+def test_sigterm_flushes_what_is_buffered(sim, clean, tmp_path):
+    pg = clean
+    proxy = replica(sim, pg, "pod-term", tmp_path)
+    for _ in range(30):
+        send(proxy.url)
+    proxy.process.send_signal(signal.SIGTERM)  # at once: the last records are still in their batch's 250 ms
+    proxy.process.wait(timeout=30)
+    assert rows(pg) == 30
+
+
+def test_concurrent_starts_migrate_once_and_a_newer_schema_is_refused(clean):
+    pg = clean
+    pg.query(f"DROP TABLE IF EXISTS {TABLE}, llmproxy_meta")
+
+    def open_one(_: int) -> None:
+        with connect(pg.dsn, str(pg.password_file)) as conn:
+            migrate(conn)
+
+    with ThreadPoolExecutor(8) as pool:  # replicas starting together: the advisory lock serialises them
+        list(pool.map(open_one, range(8)))
+    assert pg.query("SELECT value FROM llmproxy_meta WHERE key = 'schema_version'") == [(str(SCHEMA_VERSION),)]
+    pg.query("UPDATE llmproxy_meta SET value = '99' WHERE key = 'schema_version'")
+    backend = PostgresBackend(pg.dsn, 0, 0.0, str(pg.password_file))
+    from proxy.records import Unavailable
+
+    with pytest.raises(Unavailable, match="newer than this proxy"):
+        backend.open()
+    pg.query("UPDATE llmproxy_meta SET value = %s WHERE key = 'schema_version'", str(SCHEMA_VERSION))
+
+
+def test_retention_by_rows_and_age(clean):
+    pg = clean
+    errors: list[int] = []
+    backend = PostgresBackend(pg.dsn, 40, 0.0, str(pg.password_file))
+    writer = Writer(backend, "pod-t", 1000, 10**7, lambda: errors.append(1), lambda *_: None, retain_every_s=0.0)
+    record = {"endpoint": "chat", "stream": True, "outcome": "ok", "model": "m", "upstream": "u", "api": "openai"}
+    for _ in range(100):
+        writer.add(record)
+    writer.flush()
+    assert rows(pg) == 40
+    assert pg.query(f"SELECT min(id) > (SELECT max(id) - 40 FROM {TABLE}) FROM {TABLE}") == [(True,)]  # the newest 40 kept
+    backend.max_rows, backend.max_age_s = 0, 0.5
+    time.sleep(0.6)
+    writer.add(record)
+    writer.flush()
+    writer.close()
+    assert rows(pg) == 1 and not errors
+    assert writer.recent(10, Filters(instance="pod-t"))[0]["model"] == "m"
+
+
+def test_a_wrong_password_costs_requests_nothing_and_is_not_logged(sim, clean, tmp_path):
+    pg = clean
+    wrong = tmp_path / "wrong"
+    wrong.write_text("not-the-password-1b2c")
+    port = free_port()
+    proxy = Process(["serve", "--upstream", f"{sim.url}/v1", "--port", str(port), "--records-db",
+                     pg.dsn.replace("@", ":inline-PASSWORD-9e8d@"), "--records-db-password-file", str(wrong), "--log-level", "debug"],
+                    f"http://127.0.0.1:{port}/healthz", log=tmp_path / "wrong.log")
+    try:
+        for _ in range(3):
+            send(f"http://127.0.0.1:{port}")
+        time.sleep(1.0)
+        assert scraped(f"http://127.0.0.1:{port}", "llmproxy_telemetry_errors_total", component="records") >= 1
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    finally:
+        proxy.stop()
+    log = (tmp_path / "wrong.log").read_text()
+    assert "password authentication failed" in log and redact(pg.dsn.replace("@", ":x@")) in log
+    assert "inline-PASSWORD" not in log + metrics and "not-the-password" not in log + metrics

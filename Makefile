@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install prometheus chromium alertmanager postgresql demo test test-fast test-vllm bench soak lock audit dashboards clean
+.PHONY: install prometheus chromium alertmanager postgresql tinyproxy demo test test-fast test-vllm bench soak lock audit dashboards clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,7 +31,11 @@ alertmanager:
 postgresql:
 	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || scripts/ensure-debian-package.sh postgresql pg_ctlcluster
 
-test: $(STAMP) prometheus chromium alertmanager postgresql
+# A real forward proxy, for the egress proxy tests (tests/test_egress.py).
+tinyproxy:
+	scripts/ensure-debian-package.sh tinyproxy tinyproxy
+
+test: $(STAMP) prometheus chromium alertmanager postgresql tinyproxy
 	$(PY) -m mypy
 	$(PY) -m pytest
 
@@ -76,6 +80,8 @@ bench: $(STAMP) $(LITELLM_VENV)/.installed $(ENVOY_VENV)/.installed
 	ENVOY=$(ENVOY_VENV)/bin/envoy LITELLM_PYTHON=$(LITELLM_VENV)/bin/python $(PY) bench/compare.py --out bench/results.json --plot bench/compare.png $(if $(BEFORE),--before $(BEFORE))
 	$(PY) bench/stamps.py
 	ENVOY=$(ENVOY_VENV)/bin/envoy $(PY) bench/hop.py
+	ENVOY=$(ENVOY_VENV)/bin/envoy $(PY) bench/chunk_cpu.py $(if $(BEFORE),--before $(BEFORE))
+	$(PY) bench/slow_clients.py
 	$(PY) bench/asgi_servers.py
 	$(PY) bench/clients.py
 	$(PY) bench/scrape.py

@@ -192,9 +192,12 @@ class ProxyApp:
                               self.metrics.records_dropped, RETAIN_EVERY_S if records.is_postgres(target) else 0.0, on_batch)
 
     async def _count_descriptors(self) -> None:
-        """llmproxy_open_fds, once a second (in a thread: listing thousands of descriptors takes ms)."""
+        """llmproxy_open_fds, once a second (in a thread: listing thousands of descriptors takes ms), and
+        the bytes read ahead of slow clients."""
         gauge = self.metrics.child("llmproxy_open_fds")
+        read_ahead = self.metrics.child("llmproxy_read_ahead_bytes")
         while True:
+            read_ahead.set(self.router.budget.used)
             try:
                 gauge.set(await asyncio.to_thread(_open_fds))
             except OSError:  # no /proc (not Linux), or out of descriptors for the listing itself

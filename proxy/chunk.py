@@ -18,21 +18,23 @@ DONE = b"[DONE]"
 
 
 class Chunk:
-    __slots__ = ("texts", "reasoning", "usage", "model", "usage_only", "valid", "timings", "metrics", "failed", "final", "hidden", "engine")
+    """One event's meaning. Class-level defaults: an event sets only what it says (one per chunk read:
+    a dozen attribute writes per event cost more than the rest of reading a content delta)."""
+
+    reasoning: bool = False  # visible reasoning text was streamed in this chunk
+    usage: dict[str, Any] | None = None
+    model: str = ""
+    usage_only: bool = False
+    valid: bool = True
+    timings: dict[str, Any] | None = None  # llama.cpp's per-request timings
+    metrics: dict[str, Any] | None = None  # vLLM's per-request metrics (--enable-per-request-metrics)
+    failed: str = ""  # the stream reported an error (Responses API `response.failed` / `error`): its code
+    final: bool = False  # the API's end-of-stream event (`[DONE]`, `message_stop`): the client has everything
+    hidden: bool = False  # a block of hidden reasoning began (Anthropic `redacted_thinking`): never streamed
+    engine: EngineTimings | None = None  # the engine's own timings, read by the dialect (Ollama's last object)
 
     def __init__(self) -> None:
         self.texts: list[tuple[int, str]] = []  # (choice index, generated text), choices with content only
-        self.reasoning: bool = False  # visible reasoning text was streamed in this chunk
-        self.usage: dict[str, Any] | None = None
-        self.model: str = ""
-        self.usage_only: bool = False
-        self.valid: bool = True
-        self.timings: dict[str, Any] | None = None  # llama.cpp's per-request timings
-        self.metrics: dict[str, Any] | None = None  # vLLM's per-request metrics (--enable-per-request-metrics)
-        self.failed: str = ""  # the stream reported an error (Responses API `response.failed` / `error`): its code
-        self.final: bool = False  # the API's end-of-stream event (`[DONE]`, `message_stop`): the client has everything
-        self.hidden: bool = False  # a block of hidden reasoning began (Anthropic `redacted_thinking`): never streamed
-        self.engine: EngineTimings | None = None  # the engine's own timings, read by the dialect (Ollama's last object)
 
     @property
     def text(self) -> str:

@@ -53,6 +53,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("keepalive_expiry", float, 4.0, "seconds an idle upstream connection is kept for reuse, then closed by a sweep; below the 5 s after which uvicorn (vLLM, SGLang), llama.cpp and Node close idle connections, so the proxy never sends on one the server is closing"),
     Option("max_in_flight", int, 0, "admission control, per worker process: requests beyond this many in flight get an immediate 503 `proxy_overloaded` with Retry-After (0: off; size it from the saturation point in bench/RESULTS.md)"),
     Option("max_body_bytes", int, 32 * 1024 * 1024, "largest request body accepted (larger: 413)"),
+    Option("stream_buffer_bytes", int, 8 * 1024 * 1024, "bytes of one response the relay reads ahead of a slow client, so each upstream read keeps its own stamp; past it reading pauses (back-pressure) and the request is marked unmeasured (client_backpressure), out of the decode figures"),
+    Option("stream_buffer_total_bytes", int, 128 * 1024 * 1024, "bytes read ahead of slow clients across every stream of a worker process at most (exceeded by one socket read per stream at most)"),
     Option("max_event_bytes", int, 16 * 1024 * 1024, "largest streamed event the proxy frames (and largest decoded read); a larger one is relayed as it comes and the request counted as unmeasured (reason event_too_large)"),
     Option("body_timeout", float, 30.0, "seconds a client may take to send its request body (slower: 408)"),
     Option("header_timeout", float, 10.0, "seconds a client may take to send its request headers (slowloris guard)"),
@@ -63,6 +65,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("admin_key", str, "", "Bearer key required for /metrics and /llmproxy/* (off when empty)"),
     Option("capture_content", bool, False, "put prompt and completion text on spans (gen_ai.input/output.messages); off by default"),
     Option("ca_bundle", str, "", "CA bundle file for a TLS upstream (default: the system store)"),
+    Option("upstream_proxy", str, "", "http://[USER:PASSWORD@]HOST:PORT of a forward proxy to reach the upstream through (CONNECT for https upstreams); default: https_proxy / http_proxy / all_proxy and no_proxy as curl reads them; none: direct"),
     Option("inject_usage", bool, True, "ask streaming upstreams for usage and strip the extra chunk"),
     Option("strip_engine_fields", bool, False, "remove engine-only fields (llama.cpp `timings`) from what the client receives"),
     Option("tokenize", bool, True, "count prompt tokens with the tokenizer off the critical path (the tokenize phase)"),
@@ -129,6 +132,7 @@ class Settings:
     admin_key: str = field(default="", repr=False)
     capture_content: bool = False
     ca_bundle: str = ""
+    upstream_proxy: str = field(default="", repr=False)  # may hold the proxy's credentials
     inject_usage: bool = True
     strip_engine_fields: bool = False
     tokenize: bool = True
@@ -136,6 +140,8 @@ class Settings:
     max_models: int = 100
     max_label_sets: int = 400
     max_event_bytes: int = 16 * 1024 * 1024
+    stream_buffer_bytes: int = 8 * 1024 * 1024
+    stream_buffer_total_bytes: int = 128 * 1024 * 1024
     token_spans: str = "offsets"
     otlp_endpoint: str = ""
     service_name: str = ""
@@ -162,6 +168,10 @@ class Settings:
         parts = urlsplit(self.upstream)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"--upstream must be an http(s) URL, not {self.upstream!r}")
+        if self.upstream_proxy and self.upstream_proxy.lower() not in ("none", "direct"):
+            from .egress import parse
+
+            parse(self.upstream_proxy)  # refused at start (the message holds no credentials)
 
     # Derived values: computed, never configured twice.
     @property

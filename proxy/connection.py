@@ -8,29 +8,42 @@ per read: the relay's own deadline (`asyncio.timeout_at`) bounds every wait on t
 The parser decodes chunked transfer encoding; each HTTP chunk stays its own piece, so nothing is
 coalesced. Each piece carries the instant its bytes were read off the socket (`read_ns`), taken
 here in the protocol callback, not when the relay's task next runs: on a busy event loop that
-task may wake milliseconds later, and a stamp taken then would overstate TTFT by as much. When the consumer falls behind (a slow client), reading pauses at `HIGH_WATER` bytes
-and the kernel's buffers push back on the upstream, as they would without a proxy.
+task may wake milliseconds later, and a stamp taken then would overstate TTFT by as much.
+
+A slow client: the pieces wait here, read ahead of the client, so every one keeps the stamp of
+when the upstream sent it (a stamp taken when a slow client let the relay read would be the
+client's pace, not the engine's). The read-ahead is bounded per stream (`Budget.per_stream`,
+--stream-buffer-bytes) and across every stream of the process (`Budget.total`,
+--stream-buffer-total-bytes, exceeded by at most one socket read per stream): past either, reading
+pauses and the kernel's buffers push back on the upstream, as they would without a proxy; the
+response is then `held_back` (its later stamps may be the client's pace: the relay marks it).
 """
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import httptools
 
 from .errors import ReadError, RemoteProtocolError, WriteError
 from .timing import now_ns
 
-HIGH_WATER = 256 * 1024  # bytes buffered for a slow consumer before reading pauses
-LOW_WATER = 64 * 1024
+class Budget:
+    """Bytes read ahead of slow clients, per stream and across all of this process's streams (one
+    event loop: no lock)."""
+
+    def __init__(self, per_stream: int = 8 * 1024 * 1024, total: int = 128 * 1024 * 1024) -> None:
+        self.per_stream, self.total = max(64 * 1024, per_stream), max(64 * 1024, total)
+        self.used = 0
 
 
 class Connection(asyncio.Protocol):
     """A keep-alive connection; one request at a time. `expires_at` is a loop.time() instant."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, budget: Budget | None = None) -> None:
         self.loop = loop
+        self.budget = budget or Budget()
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.expires_at = 0.0
@@ -51,9 +64,24 @@ class Connection(asyncio.Protocol):
         self.headers_ns = 0  # when the response's head was read
         self.read_ns = 0  # when the piece `read` returned last (at the end: when the end was read)
         self._end_ns = 0
+        self._release_buffer()
         self._body: deque[tuple[bytes, int]] = deque()
         self._buffered = 0
         self._paused = False
+        self.held_back = False  # reading paused mid-response: the stream's read-ahead (or the process's) was full
+        self.held_ns = 0  # how long, in all
+        self._held_at = 0
+        # The relay's fast way (pump.Pump.forward): a piece read while the relay waits for one and
+        # nothing is read ahead goes to it from this callback; False: it could not (buffered instead).
+        self.fast: Callable[[bytes, int], bool] | None = None
+
+    def _release_buffer(self) -> None:
+        """What this response still holds goes back to the process's budget (a client that left)."""
+        buffered = getattr(self, "_buffered", 0)
+        if buffered:
+            self.budget.used -= buffered
+            self._buffered = 0
+            self._body.clear()
 
     # -- asyncio.Protocol -------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -67,8 +95,10 @@ class Connection(asyncio.Protocol):
             self._fail(RemoteProtocolError("the upstream switched protocols"))
         except httptools.HttpParserError as exc:
             self._fail(RemoteProtocolError(f"malformed HTTP response: {exc}"))
-        if self._buffered > HIGH_WATER and not self._paused and self.transport is not None:
-            self._paused = True
+        budget = self.budget
+        if not self._paused and (self._buffered > budget.per_stream or budget.used > budget.total) and self.transport is not None:
+            self._paused = self.held_back = True
+            self._held_at = self._now
             self.transport.pause_reading()
 
     def eof_received(self) -> bool:
@@ -112,8 +142,17 @@ class Connection(asyncio.Protocol):
         self._wake()
 
     def on_body(self, body: bytes) -> None:
+        fast = self.fast
+        if fast is not None and self._waiter is not None and not self._body:
+            try:
+                if fast(body, self._now):
+                    return
+            except Exception as exc:  # (a bug, or a stream that cannot be decoded): raised in the relay's task, by read()
+                self._fail(exc)
+                return
         self._body.append((body, self._now))
         self._buffered += len(body)
+        self.budget.used += len(body)
         self._wake()
 
     def on_message_complete(self) -> None:
@@ -167,6 +206,12 @@ class Connection(asyncio.Protocol):
                 raise RemoteProtocolError("the upstream closed the connection without a response")
             await self._wait()
 
+    def tunnelled(self) -> None:
+        """The CONNECT exchange with an egress proxy is over: what comes next (TLS, then the upstream's
+        responses) is parsed afresh."""
+        self.parser = httptools.HttpResponseParser(self)
+        self._reset()
+
     def head_only(self) -> None:
         """A HEAD response has no body, whatever its content-length says."""
         self.complete, self.keep_alive = True, False
@@ -177,9 +222,11 @@ class Connection(asyncio.Protocol):
             if self._body:
                 data, self.read_ns = self._body.popleft()
                 self._buffered -= len(data)
-                if self._paused and self._buffered < LOW_WATER and self.transport is not None:
+                self.budget.used -= len(data)
+                if self._paused and self._may_resume():
                     self._paused = False
-                    self.transport.resume_reading()
+                    self.held_ns += now_ns() - self._held_at
+                    self.transport.resume_reading()  # type: ignore[union-attr]
                 return data
             if self.complete:
                 self.read_ns = self._end_ns
@@ -189,6 +236,17 @@ class Connection(asyncio.Protocol):
             if self.closed:
                 raise ReadError("the upstream connection closed")
             await self._wait()
+
+    def _may_resume(self) -> bool:
+        """Below a quarter of its own read-ahead, and the process below its total; an emptied stream
+        resumes whatever the total (it must not starve waiting for the others)."""
+        budget = self.budget
+        return self.transport is not None and (self._buffered == 0 or (self._buffered < budget.per_stream // 4 and budget.used <= budget.total))
+
+    @property
+    def held_s(self) -> float:
+        """Seconds reading was paused for a slow client during this response (a pause still on counts to now)."""
+        return (self.held_ns + (now_ns() - self._held_at if self._paused else 0)) / 1e9
 
     async def iter_body(self) -> AsyncIterator[bytes]:
         while data := await self.read():
@@ -201,11 +259,14 @@ class Connection(asyncio.Protocol):
 
     def close(self) -> None:
         self.closed = True
+        self._release_buffer()
         if self.transport is not None:
             self.transport.close()
 
     def abort(self) -> None:
-        """Mid-response: drop the connection now (an engine such as vLLM aborts the generation)."""
+        """Mid-response: drop the connection now (an engine such as vLLM aborts the generation), and
+        what it read ahead for the client with it."""
         self.closed = True
+        self._release_buffer()
         if self.transport is not None:
             self.transport.abort()

@@ -55,6 +55,12 @@ class UpstreamProtocolError(UpstreamError):
     code = "upstream_protocol_error"
 
 
+class UpstreamProxyError(UpstreamError):
+    """The egress proxy (egress.py) could not be reached, or refused the tunnel or the request."""
+
+    code = "upstream_proxy_error"
+
+
 class UpstreamTimeout(ProxyError):
     status = 504
     type = "timeout"
@@ -129,6 +135,10 @@ class ConnectError(TransportError):
     pass
 
 
+class EgressError(ConnectError):
+    """Through the egress proxy: it is unreachable, or it refused (a 407, a 403, its own 502)."""
+
+
 class ConnectTimeout(TransportError):
     pass
 
@@ -172,6 +182,7 @@ TRANSPORT_ERRORS: tuple[tuple[type[BaseException], type[ProxyError], str], ...] 
     (ConnectTimeout, UpstreamTimeout, "timed out connecting to the upstream"),
     (PoolTimeout, UpstreamTimeout, "timed out waiting for a free upstream connection"),
     (WriteTimeout, UpstreamTimeout, "timed out sending the request upstream"),
+    (EgressError, UpstreamProxyError, "could not reach the upstream through the egress proxy"),
     (ConnectError, UpstreamConnectError, "could not connect to the upstream"),
     (RemoteProtocolError, UpstreamProtocolError, "the upstream broke the HTTP protocol"),
     (ReadError, UpstreamProtocolError, "the upstream connection failed while reading"),

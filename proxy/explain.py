@@ -94,8 +94,8 @@ def analyse_group(records: list[dict[str, Any]], hardware: dict[str, float] | No
         report["prefill"] = {**asdict(prefill), "tokens_per_second": 1.0 / prefill.slope if prefill.slope > 0 else None,
                              "fixed_cost_s": prefill.intercept}
     cx, cy = [], []
-    for r in streams:
-        if r.get("decode_tokens_per_second") and r.get("in_flight_at_decode"):
+    for r in streams:  # (a slow client's held-back stream is the client's pace, not the engine's: left out)
+        if r.get("decode_tokens_per_second") and r.get("in_flight_at_decode") and r.get("unmeasured") != "client_backpressure":
             cx.append(float(r["in_flight_at_decode"]))
             cy.append(1.0 / r["decode_tokens_per_second"])
     decode = theil_sen(cx, cy)

@@ -40,7 +40,7 @@ COMPONENTS = ("metrics", "tracing", "tokenizer", "records", "timing", "slo", "ot
 # Why the proxy itself answered 503 proxy_overloaded (errors.EXHAUSTED holds the exhaustion ones).
 REJECT_REASONS = ("max_in_flight", "descriptors", "ports", "memory")
 # Why a relayed response was not (wholly) measured (timing.Unmeasured).
-UNMEASURED_REASONS = ("event_too_large", "undecodable")
+UNMEASURED_REASONS = ("event_too_large", "undecodable", "client_backpressure")
 # What each objective's misses can be blamed on (slo.py): their series start at 0, so a burn's first
 # miss is in rate(). (slo, model, upstream) sets beyond SLO_SETS fold into model="other": at most
 # SLO_SETS x (2 + 8 + 1 + 10 + 4) = 1,600 series, inside the scrape budget at every cap.
@@ -63,10 +63,11 @@ class MetricDef:
 
 METRICS: tuple[MetricDef, ...] = (
     MetricDef("llmproxy_requests", "counter", "Finished requests by wire API (openai, azure, anthropic, gemini, ollama, other), outcome (ok, upstream_error, client_disconnect, client_slow, timeout, proxy_error, overloaded) and HTTP status. The latency metrics below describe the ok ones.", BASE + ("api", "outcome", "code")),
-    MetricDef("llmproxy_unmeasured_requests", "counter", "Requests relayed whole but not (wholly) measured, by reason: event_too_large (a streamed event past --max-event-bytes), undecodable (a content-encoding the proxy could not decode).", ("upstream", "reason")),
+    MetricDef("llmproxy_unmeasured_requests", "counter", "Requests relayed whole but not (wholly) measured, by reason: event_too_large (a streamed event past --max-event-bytes), undecodable (a content-encoding the proxy could not decode), client_backpressure (a slow client filled the stream's read-ahead, --stream-buffer-bytes, so reading paused: its decode figures would be the client's pace and are left out of the decode histograms).", ("upstream", "reason")),
     MetricDef("llmproxy_requests_in_flight", "gauge", "Requests being relayed now.", ("upstream",)),
     MetricDef("llmproxy_max_in_flight", "gauge", "The admission cap, --max-in-flight, summed over worker processes (0: no cap).", ("upstream",)),
     MetricDef("llmproxy_requests_rejected", "counter", "Requests the proxy answered 503 proxy_overloaded itself, by reason: max_in_flight (admission control), descriptors, ports, memory (the proxy ran out while connecting upstream or relaying). Never the upstream's fault.", ("upstream", "reason")),
+    MetricDef("llmproxy_read_ahead_bytes", "gauge", "Bytes of streamed responses read from upstreams ahead of slow clients now (per stream at most --stream-buffer-bytes, in all --stream-buffer-total-bytes; sampled every second).", ()),
     MetricDef("llmproxy_open_fds", "gauge", "Open file descriptors of the proxy's processes (sampled every second).", ()),
     MetricDef("llmproxy_max_fds", "gauge", "The open files limit (RLIMIT_NOFILE soft limit, after the proxy raised it to the hard one), summed over worker processes.", ()),
     MetricDef("llmproxy_accept_pauses", "counter", "Times the listener stopped accepting for 50 ms because the process was out of descriptors (or memory); clients waited in the listen backlog.", ("reason",)),
@@ -233,14 +234,15 @@ class ProxyMetrics:
         child("llmproxy_request_duration_seconds", *key).observe(b.e2e_s, ex)
         if b.ttft_s is not None:
             child("llmproxy_time_to_first_token_seconds", *key).observe(b.ttft_s, ex)
-        if b.decode_tokens_per_second is not None:
-            child("llmproxy_decode_tokens_per_second", *key).observe(b.decode_tokens_per_second, ex)
         if b.prefill_tokens_per_second is not None:
             child("llmproxy_prefill_tokens_per_second", *key).observe(b.prefill_tokens_per_second)
-        if b.inter_chunk_s:
-            observe_many(child("llmproxy_inter_chunk_latency_seconds", *key), b.inter_chunk_s)
-        if b.inter_token_s:
-            observe_many(child("llmproxy_inter_token_latency_seconds", *key), b.inter_token_s, GAP_BUCKETS)
+        if t.unmeasured != "client_backpressure":  # (its decode stamps may be the client's pace, not the engine's)
+            if b.decode_tokens_per_second is not None:
+                child("llmproxy_decode_tokens_per_second", *key).observe(b.decode_tokens_per_second, ex)
+            if b.inter_chunk_s:
+                observe_many(child("llmproxy_inter_chunk_latency_seconds", *key), b.inter_chunk_s)
+            if b.inter_token_s:
+                observe_many(child("llmproxy_inter_token_latency_seconds", *key), b.inter_token_s, GAP_BUCKETS)
         engine = t.engine
         if engine is not None:
             if engine.prompt_s is not None:

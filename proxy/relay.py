@@ -29,6 +29,7 @@ from .reader import Reader
 from .request import ClientGone, check_request, filter_headers, header, read_body
 from .server import STAMPS
 from .framing import framer
+from .pump import Pump
 from .telemetry import RequestContext
 from .timing import RequestTiming, now_ns
 
@@ -42,7 +43,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("llmproxy.relay")
 
-NON_STREAM_BODY_LIMIT = 16 * 1024 * 1024  # bytes kept for reading usage from a JSON body
 ERROR_BODY_LIMIT = 64 * 1024  # an upstream 400 read whole, to see whether it rejects stream_options
 
 
@@ -66,14 +66,14 @@ class Exchange:
     def __init__(self, app: AppView, scope: Scope, receive: Receive, send: Send) -> None:
         self.app, self.scope, self.receive, self.send = app, scope, receive, send
         # When the protocol read the request's first byte (server.py); another ASGI server: now.
-        self.stamps: dict[str, int] = scope.get("extensions", {}).get(STAMPS) or {"first_byte_ns": now_ns(), "body_end_ns": 0}
+        self.stamps: dict[str, Any] = scope.get("extensions", {}).get(STAMPS) or {"first_byte_ns": now_ns(), "body_end_ns": 0}
         received = self.stamps["first_byte_ns"]
         self.t = RequestTiming(received_ns=received)
         self.ctx = RequestContext(self.t, time.time_ns() - now_ns())  # the wall clock less the monotonic one
         self.relaying = False
         self.client_gone = False
         self.started = False  # http.response.start went to the client
-        self.sending = False  # blocked handing bytes to the client (a slow reader)
+        self.pump: Pump | None = None  # the hot path of a streamed response (pump.py)
         self.reader: Reader | None = None  # what the response's bytes meant (made when its headers arrive)
         self.response: Connection | None = None
         self.upstream: Upstream | None = None  # chosen by model once the body is parsed
@@ -119,13 +119,27 @@ class Exchange:
             self.relaying = False
             if watcher is not None:
                 watcher.cancel()
+            if t.response_end_ns is None:
+                t.response_end_ns = now_ns()
+            self._note_slow_client()
             if self.upstream is not None:
                 self.upstream.in_flight -= 1
                 if self.response is not None:
-                    self.upstream.release(self.response)  # mid-body: aborts the connection, so vLLM stops
-            if t.response_end_ns is None:
-                t.response_end_ns = now_ns()
+                    self.upstream.release(self.response)  # mid-body: aborts the connection (so vLLM stops) and frees its read-ahead
             app.telemetry.finish(self.ctx)
+
+    def _note_slow_client(self) -> None:
+        """When the client did not take bytes as fast as they came (the server protocol's stamps), and
+        whether the upstream's reading was held back for it: its later stamps may be the client's
+        pace, so the request is marked and kept out of the decode figures."""
+        t, stamps = self.t, self.stamps
+        t.client_blocked = list(stamps.get("blocked", ()))
+        if stamps.get("paused_ns"):  # still paused at the end (the client left, or was cut)
+            t.client_blocked.append((stamps["paused_ns"], t.response_end_ns or now_ns()))
+        response = self.response
+        if response is not None and response.held_back:
+            t.held_s = response.held_s
+            t.unmeasured = t.unmeasured or "client_backpressure"
 
     async def _watch(self, task: asyncio.Task[Any]) -> None:
         while True:
@@ -204,7 +218,7 @@ class Exchange:
                     response = retried
                 await self._respond(response, silence)
         except TimeoutError:
-            if self.sending:
+            if self.pump is not None and self.pump.sending:
                 t.outcome, t.error = "client_slow", "client_slow"
                 log.warning("cut a client that stopped reading for over %s s", upstream.read_timeout)
                 return
@@ -298,52 +312,11 @@ class Exchange:
         await self.send({"type": "http.response.start", "status": status, "headers": headers})
 
     async def _stream(self, response: Connection, reader: Reader | None, silence: asyncio.Timeout | None) -> None:
-        """The hot loop: timestamp, forward, then note what the bytes meant."""
-        t, send, rewrite, json_body = self.t, self.send, self.rewrite, self.json_body
+        """The hot path (pump.py): each piece forwarded as it comes, then noted."""
         upstream = self.upstream
         assert upstream is not None  # (a response is only streamed from the upstream the router chose)
-        # The inter-chunk limit is moved at most once per `grace` (idle/16), to `idle + grace` ahead:
-        # a stream is cut after between idle and 17/16 idle of silence, and a chunk costs no timer.
-        loop, idle = asyncio.get_running_loop(), upstream.read_timeout
-        grace = idle / 16
-        kept, decoding, read, moved = 0, bool(t.content_ns), response.read, 0.0
-        framed = reader is not None and reader.decoder is not None
-        while chunk := await read():
-            now = response.read_ns  # when the bytes came off the socket (connection.py), not when this task woke
-            if decoding and silence is not None and (at := loop.time()) > moved:  # after the first token, the inter-chunk limit
-                silence.reschedule(at + idle + grace)
-                moved = at + grace
-            self.sending = True
-            # `sent`: as the bytes are handed to the server (as for the last byte: a client the kernel
-            # runs first once woken, on this busy machine, is not the proxy's own time)
-            if rewrite:
-                out = reader.rewrite(chunk, now)  # type: ignore[union-attr]
-                sent = 0 if decoding else now_ns()
-                if out:
-                    await send({"type": "http.response.body", "body": out, "more_body": True})
-            else:
-                sent = 0 if decoding else now_ns()
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                if framed:
-                    reader.feed(chunk, now)  # type: ignore[union-attr]
-                elif json_body is not None and kept < NON_STREAM_BODY_LIMIT:
-                    json_body.append(chunk)
-                    kept += len(chunk)
-            self.sending = False
-            if not decoding and t.content_ns:  # this read held the first token: when it was handed on
-                decoding, t.first_sent_ns = True, sent
-                if silence is not None:
-                    at = loop.time()
-                    silence.reschedule(at + idle + grace)
-                    moved = at + grace
-        t.upstream_end_ns = now = response.read_ns or now_ns()
-        self.sending = True  # the upstream is done: a timeout from here on is the client's
-        if reader is not None and (out := reader.flush(now, rewrite)):
-            await send({"type": "http.response.body", "body": out, "more_body": True})
-        # Stamped as the last write is handed over: on a busy machine the kernel may run the woken
-        # client first, and that wait is not the proxy's own time.
-        t.response_end_ns = now_ns()
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        self.pump = Pump(self.t, self.send, reader, self.rewrite, self.json_body, silence, upstream.read_timeout, self.stamps.get("writer"))
+        await self.pump.run(response)
 
     async def _buffered(self, response: Connection, out_headers: list[tuple[bytes, bytes]]) -> None:
         """Non-streaming with --strip-engine-fields: the body is rewritten whole, then sent."""

@@ -8,7 +8,8 @@ The routing file (YAML):
         api_key_env: ""                   # env var whose value is sent as the key (optional)
         connect_timeout: 10               # optional, like the flags: connect_timeout,
         max_connections: 1000             #   first_token_timeout, read_timeout, write_timeout,
-                                          #   pool_timeout, max_connections, keepalive_expiry
+                                          #   pool_timeout, max_connections, keepalive_expiry,
+        upstream_proxy: http://proxy:3128 #   upstream_proxy (none: direct; default: the environment's)
     routes:
       - models: ["meta-llama/*", "qwen3-8b"]
         upstreams: [vllm-a, vllm-b]       # several: the one with fewest requests in flight
@@ -36,11 +37,12 @@ from typing import Any
 import yaml
 
 from .config import Settings
+from .connection import Budget
 from .upstream import Upstream
 
 log = logging.getLogger("llmproxy.routes")
 OVERRIDES = ("connect_timeout", "first_token_timeout", "read_timeout", "write_timeout", "pool_timeout", "max_connections",
-             "keepalive_expiry")
+             "keepalive_expiry", "upstream_proxy")
 
 
 def _upstream_settings(base: Settings, spec: dict[str, Any], where: str) -> Settings:
@@ -63,6 +65,7 @@ class Router:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        self.budget = Budget(settings.stream_buffer_bytes, settings.stream_buffer_total_bytes)  # one for every upstream
         self.upstreams: dict[str, Upstream] = {}
         self.routes: list[tuple[tuple[str, ...], tuple[str, ...]]] = []
         self.exact: dict[str, tuple[str, ...]] = {}
@@ -70,7 +73,7 @@ class Router:
         if settings.routes:
             self._install(*self._parse(settings.routes))
         else:
-            upstream = Upstream(settings)
+            upstream = Upstream(settings, self.budget)
             self.upstreams = {upstream.label: upstream}
             self.routes, self.default = [(("*",), (upstream.label,))], upstream.label
 
@@ -106,7 +109,7 @@ class Router:
         upstreams = {}
         for name, settings in specs.items():
             current = self.upstreams.get(name)
-            upstreams[name] = current if current is not None and current.settings == settings else Upstream(settings)
+            upstreams[name] = current if current is not None and current.settings == settings else Upstream(settings, self.budget)
         for name, old in self.upstreams.items():
             if upstreams.get(name) is not old:
                 old.close()  # idle connections only: its streams in flight finish on it

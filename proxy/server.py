@@ -26,7 +26,11 @@ from .config import Settings
 from .timing import now_ns
 
 HEADER_TIMEOUT_ENV = "LLMPROXY_HEADER_TIMEOUT"
-STAMPS = "llmproxy.stamps"  # scope["extensions"][STAMPS] = {"first_byte_ns": ..., "body_end_ns": ... or 0} (monotonic)
+# scope["extensions"][STAMPS] = {"first_byte_ns": ..., "body_end_ns": ... or 0, "blocked": [(paused_ns, resumed_ns), ...],
+# "paused_ns": ... or 0} (monotonic): the request's first and last byte read, and when the client's connection stopped
+# taking bytes (its write buffer over the high-water mark: a slow reader) and took them again.
+STAMPS = "llmproxy.stamps"
+MAX_BLOCKED = 64  # pause intervals kept per request (later ones are merged into the last)
 log = logging.getLogger("llmproxy.server")
 
 
@@ -39,7 +43,7 @@ class GuardedHttpTools(HttpToolsProtocol):
         self._read_ns = now_ns()
         super().connection_made(transport)
         self._header_timer: asyncio.TimerHandle | None = None
-        self._stamps: dict[object, object] = {}
+        self._stamps: dict[str, Any] = {}
         self._arm()
 
     def data_received(self, data: bytes) -> None:
@@ -59,9 +63,26 @@ class GuardedHttpTools(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._stamps = {"first_byte_ns": self._read_ns, "body_end_ns": 0}
-        self.scope["extensions"] = {STAMPS: self._stamps}
+        self._stamps = {"first_byte_ns": self._read_ns, "body_end_ns": 0, "blocked": [], "paused_ns": 0}
+        self.scope["extensions"] = {STAMPS: self._stamps}  # type: ignore[dict-item]
         self._arm()
+
+    def pause_writing(self) -> None:
+        """The client stopped taking bytes as fast as they come: stamped, as the relay's wait on it."""
+        super().pause_writing()
+        if not self._stamps.get("paused_ns"):
+            self._stamps["paused_ns"] = now_ns()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        paused = self._stamps.get("paused_ns")
+        if paused:
+            blocked: list[tuple[int, int]] = self._stamps["blocked"]
+            if len(blocked) < MAX_BLOCKED:
+                blocked.append((paused, now_ns()))
+            else:
+                blocked[-1] = (blocked[-1][0], now_ns())
+            self._stamps["paused_ns"] = 0
 
     def on_message_complete(self) -> None:
         self._stamps["body_end_ns"] = self._read_ns
@@ -72,11 +93,38 @@ class GuardedHttpTools(HttpToolsProtocol):
             self._header_timer.cancel()
             self._header_timer = None
         super().on_headers_complete()
+        self._stamps["writer"] = BodyWriter(self, self.cycle)  # (this request's cycle: a pipelined next one gets its own)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._header_timer is not None:
             self._header_timer.cancel()
         super().connection_lost(exc)
+
+
+class BodyWriter:
+    """A streamed response's body pieces written straight to the client's transport, HTTP/1.1 chunked
+    framing as uvicorn's ASGI send writes it, for the relay's fast way (pump.py): one write per piece,
+    no coroutine. `ready` says whether a piece may go now: the client is taking bytes (uvicorn's flow
+    control is not paused), the response is chunked and still open, the client still there; when it
+    is not, the relay uses the ASGI send, which waits for the client."""
+
+    __slots__ = ("protocol", "cycle", "transport")
+
+    def __init__(self, protocol: GuardedHttpTools, cycle: Any) -> None:
+        self.protocol, self.cycle, self.transport = protocol, cycle, protocol.transport
+
+    @property
+    def chunked(self) -> bool:
+        """(Known once the response head went out.)"""
+        cycle = self.cycle
+        return bool(cycle.response_started and cycle.chunked_encoding and cycle.scope["method"] != "HEAD")
+
+    def ready(self) -> bool:
+        cycle = self.cycle
+        return not (self.protocol.flow.write_paused or cycle.disconnected or cycle.response_complete or self.transport.is_closing())
+
+    def write(self, body: bytes) -> None:
+        self.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
 
 
 GuardedHttpTools.header_timeout = float(os.environ.get(HEADER_TIMEOUT_ENV, GuardedHttpTools.header_timeout))

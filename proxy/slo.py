@@ -282,11 +282,12 @@ class SLOs:
             if not measured:
                 return Verdict(objective.name, None, stated=stated)
         else:
+            paced = t.unmeasured == "client_backpressure"  # a slow reader set the pace after the first token: not the service's
             if "ttft" in limits and t.stream and b.ttft_s is not None:
                 measured["ttft"] = b.ttft_s
-            if "tpot" in limits and t.stream and (tpot := tpot_s(t, b)) is not None:
+            if "tpot" in limits and t.stream and not paced and (tpot := tpot_s(t, b)) is not None:
                 measured["tpot"] = tpot
-            if "e2e" in limits:
+            if "e2e" in limits and not paced:
                 measured["e2e"] = b.e2e_s
         if not measured:
             return Verdict(objective.name, None, stated=stated)

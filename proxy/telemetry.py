@@ -81,6 +81,8 @@ def record_dict(ctx: RequestContext, b: Breakdown) -> dict[str, Any]:
         "phases_s": b.phases,
         "reasoning_estimated": "reasoning" in b.phases,
         "proxy_parts_s": {"before": b.proxy_before_s, "first_token": b.proxy_first_s, "after": b.proxy_after_s},
+        "client_blocked_s": b.client_blocked_s,  # the relay waited on a slow reader (its connection's write buffer full)
+        "read_held_s": t.held_s,  # the upstream's reading paused for it (the read-ahead full): unmeasured client_backpressure
         "dominant_phase": b.dominant,
         "connect_s": b.connect,
         "pool_wait_s": b.pool_wait_s,

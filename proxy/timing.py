@@ -11,10 +11,12 @@ exactly once, when the request ends, whatever the ending. Definitions (the READM
   later chunk. The request's decode tok/s is the mean over its choices. Hidden reasoning tokens
   (reported in usage, never streamed) are not in any chunk, so never in decode.
 - phases, which sum to the end-to-end duration:
-  client    = request received -> request body fully read (the client's upload)
+  client    = request received -> request body fully read (the client's upload), plus, for a slow
+              reader, the time after the upstream's end the relay waited on it (its write buffer full)
   proxy     = (body read -> upstream request issued) + (first content chunk read -> handed to
-              the server's send) + (upstream stream ended -> last byte handed to the server's send)
-  network   = pool wait + DNS + TCP + TLS + request upload + one RTT
+              the server's send) + (upstream stream ended -> last byte handed to the server's send,
+              less the client's part of it)
+  network   = pool wait + DNS + TCP + (CONNECT through an egress proxy) + TLS + request upload + one RTT
   tokenize  = the proxy's tokenizer CPU time for this prompt, standing for the server's own
   reasoning = hidden reasoning tokens / the request's own decode rate (an estimate)
   prefill   = ttft - all of the above (the server's queue + prefill)
@@ -43,7 +45,7 @@ NS = 1_000_000_000
 Outcome = Literal["ok", "upstream_error", "client_disconnect", "client_slow", "timeout", "proxy_error", "overloaded"]
 Endpoint = Literal["chat", "completions", "embeddings", "responses", "responses_other", "messages", "messages_other", "generate_content",
                    "gemini_other", "ollama_chat", "ollama_generate", "ollama_embed", "ollama_other", "other"]
-Unmeasured = Literal["", "event_too_large", "undecodable"]
+Unmeasured = Literal["", "event_too_large", "undecodable", "client_backpressure"]
 Phase = Literal["client", "proxy", "network", "tokenize", "queue", "load", "reasoning", "prefill", "decode", "server"]
 TokenSource = Literal["usage", "engine", "tokenizer"]
 OUTCOMES: tuple[Outcome, ...] = ("ok", "upstream_error", "client_disconnect", "client_slow", "timeout", "proxy_error", "overloaded")
@@ -75,6 +77,8 @@ class RequestTiming:
     tcp_end_ns: int | None = None
     tls_start_ns: int | None = None
     tls_end_ns: int | None = None
+    proxy_start_ns: int | None = None  # the CONNECT exchange with an egress proxy (egress.py)
+    proxy_end_ns: int | None = None
     send_start_ns: int | None = None  # request headers start going out
     sent_ns: int | None = None  # request body sent (the upload is network time)
     headers_ns: int | None = None
@@ -110,6 +114,10 @@ class RequestTiming:
     captured_output: str = ""  # completion text, only with --capture-content (spans only)
     in_flight: bool = False  # counted in llmproxy_requests_in_flight (refused requests never are)
     in_flight_at_decode: int | None = None  # requests in flight in this worker when its first content chunk came
+    # A slow client: when its connection stopped taking bytes and took them again (the server's
+    # protocol stamps them); and how long the upstream's reading was paused for it (read-ahead full).
+    client_blocked: list[tuple[int, int]] = field(default_factory=list)
+    held_s: float = 0.0
 
     @property
     def reused(self) -> bool | None:
@@ -122,6 +130,7 @@ class RequestTiming:
         """Forget a first upstream attempt (the proxy retries once without stream_options)."""
         self.issued_ns = self.first_event_ns = self.headers_ns = self.send_start_ns = self.sent_ns = None
         self.dns_start_ns = self.dns_end_ns = self.tcp_start_ns = self.tcp_end_ns = self.tls_start_ns = self.tls_end_ns = None
+        self.proxy_start_ns = self.proxy_end_ns = None
         self.rtt_s = None
 
     @property
@@ -147,7 +156,7 @@ class Breakdown:
     decode_tokens_per_second: float | None
     prefill_tokens_per_second: float | None
     phases: dict[str, float]
-    connect: dict[str, float]  # dns/tcp/tls, new connections only
+    connect: dict[str, float]  # dns/tcp/proxy/tls, new connections only
     pool_wait_s: float | None
     inter_chunk_s: list[float]
     inter_token_s: list[float]
@@ -156,6 +165,8 @@ class Breakdown:
     proxy_before_s: float = 0.0  # the proxy phase, split: before the upstream request was issued,
     proxy_first_s: float = 0.0  # relaying the first content chunk (on the client's TTFT),
     proxy_after_s: float = 0.0  # and after the upstream stream ended
+    client_blocked_s: float = 0.0  # the relay waited on a slow client with bytes to give it
+    client_after_s: float = 0.0  # of which after the upstream's end: in the `client` phase, not `proxy`
 
     @property
     def dominant(self) -> str:
@@ -185,7 +196,8 @@ def split(t: RequestTiming) -> Breakdown:
     tcp_from = t.dns_end_ns if t.dns_end_ns is not None else t.tcp_start_ns
     tcp = _s(tcp_from, t.tcp_end_ns)
     tls = _s(t.tls_start_ns, t.tls_end_ns)
-    for name, value in (("dns", dns), ("tcp", tcp), ("tls", tls)):
+    tunnel = _s(t.proxy_start_ns, t.proxy_end_ns)
+    for name, value in (("dns", dns), ("tcp", tcp), ("proxy", tunnel), ("tls", tls)):
         if value is not None:
             connect[name] = value
     pool_wait = _s(t.issued_ns, t.first_event_ns)
@@ -215,7 +227,14 @@ def split(t: RequestTiming) -> Breakdown:
     client = _s(t.received_ns, body_end) or 0.0
     proxy_before = _s(body_end, t.issued_ns) or 0.0
     upstream_end = t.upstream_end_ns if t.upstream_end_ns is not None else end_ns
-    proxy_after = max(0, end_ns - max(upstream_end, body_end)) / NS
+    tail_from = max(upstream_end, body_end)
+    proxy_after = max(0, end_ns - tail_from) / NS
+    # A slow reader: after the upstream's end the relay was still handing it what it had read
+    # ahead; the time it waited on the client then is the client's own, not the proxy's.
+    blocked = sum(max(0, min(b, end_ns) - max(a, t.received_ns)) for a, b in t.client_blocked) / NS
+    client_after = min(proxy_after, sum(max(0, min(b, end_ns) - max(a, tail_from)) for a, b in t.client_blocked) / NS)
+    proxy_after -= client_after
+    client += client_after
     phases = {"client": client, "proxy": proxy_before + proxy_after}
     proxy_first = 0.0
     tokenize = t.tokenize_prompt_s or 0.0
@@ -261,4 +280,6 @@ def split(t: RequestTiming) -> Breakdown:
         proxy_before_s=proxy_before,
         proxy_first_s=proxy_first,
         proxy_after_s=proxy_after,
+        client_blocked_s=blocked,
+        client_after_s=client_after,
     )

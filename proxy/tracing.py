@@ -209,7 +209,8 @@ class Tracing:
             connect_start = t.dns_start_ns or t.tcp_start_ns
             connect_end = t.tls_end_ns or t.tcp_end_ns or connect_start
             conn_id = new_id()
-            steps = (("dns", t.dns_start_ns, t.dns_end_ns), ("tcp", t.dns_end_ns or t.tcp_start_ns, t.tcp_end_ns), ("tls", t.tls_start_ns, t.tls_end_ns))
+            steps = (("dns", t.dns_start_ns, t.dns_end_ns), ("tcp", t.dns_end_ns or t.tcp_start_ns, t.tcp_end_ns),
+                     ("proxy", t.proxy_start_ns, t.proxy_end_ns), ("tls", t.tls_start_ns, t.tls_end_ns))
             for name, start, end in steps:
                 if start is not None and end is not None:
                     out.append(self._span(spans, name, new_id(), conn_id, wall(start), wall(end)))
@@ -306,6 +307,10 @@ class Tracing:
             attrs["llmproxy.decode_tokens_per_second"] = b.decode_tokens_per_second
         if t.reused is not None:
             attrs["llmproxy.connection.reused"] = t.reused
+        if b.client_blocked_s:
+            attrs["llmproxy.client_blocked_seconds"] = b.client_blocked_s
+        if t.unmeasured:
+            attrs["llmproxy.unmeasured"] = t.unmeasured
         if t.rtt_s is not None:
             attrs["llmproxy.upstream.rtt_seconds"] = t.rtt_s
         for phase, seconds in b.phases.items():

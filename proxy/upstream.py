@@ -22,9 +22,10 @@ import ssl
 import struct
 from typing import Any, Awaitable, Callable
 
+from . import egress
 from .config import Settings
-from .connection import Connection
-from .errors import ConnectError, ConnectTimeout, PoolTimeout, WriteTimeout
+from .connection import Budget, Connection
+from .errors import ConnectError, ConnectTimeout, EgressError, PoolTimeout, TransportError, WriteTimeout
 from .timing import RequestTiming, now_ns
 
 _TCP_INFO = getattr(socket, "TCP_INFO", None)
@@ -59,8 +60,10 @@ Resolver = Callable[..., Awaitable[list[Any]]]
 class Upstream:
     """The pool to one upstream base URL, with the settings' timeouts."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, budget: Budget | None = None) -> None:
         self.settings = settings  # this upstream's own (--upstream, or its entry in the routing file)
+        # What every stream reads ahead of a slow client: per stream, and shared by the whole process.
+        self.budget = budget or Budget(settings.stream_buffer_bytes, settings.stream_buffer_total_bytes)
         self.in_flight = 0  # requests on this upstream now (the router picks the least busy)
         self.key = settings.upstream_api_key.encode() if settings.upstream_api_key else None  # replaces the client's
         self.first_token_timeout, self.read_timeout = settings.first_token_timeout, settings.read_timeout
@@ -77,6 +80,9 @@ class Upstream:
         # Waiting for the response is bounded by the relay (first-token and read limits).
         self.connect_timeout, self.write_timeout, self.pool_timeout = settings.connect_timeout, settings.write_timeout, settings.pool_timeout
         self.ssl_context = ssl.create_default_context(cafile=settings.ca_bundle or None) if scheme == "https" else None
+        # A company's forward proxy (egress.py): a CONNECT tunnel to an https upstream, absolute-form requests to an http one.
+        self.egress = egress.choose(scheme, host, port, settings.upstream_proxy)
+        self.absolute = self.egress is not None and scheme == "http"
         self.resolver: Resolver | None = None  # None: the event loop's getaddrinfo (tests inject failures here)
         self.keepalive_expiry = settings.keepalive_expiry
         # One LIFO list of idle connections, oldest first: checkout pops the newest, the sweep
@@ -103,6 +109,8 @@ class Upstream:
         else:
             target = path
         raw = target.encode()
+        if self.absolute:  # through an egress proxy to an http upstream: the proxy needs the whole URL
+            raw = f"http://{self.host_header}".encode() + raw
         return raw + b"?" + query if query else raw
 
     async def send(self, method: str, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes,
@@ -125,6 +133,8 @@ class Upstream:
             if connection is None:
                 connection = await self._connect(timing)
             timing.send_start_ns = now_ns()
+            if self.absolute and self.egress is not None and self.egress.authorization:
+                headers = [*headers, (b"proxy-authorization", self.egress.authorization)]
             if connection.write(_head(method, target, headers), body):
                 try:
                     async with asyncio.timeout(self.write_timeout):
@@ -163,7 +173,8 @@ class Upstream:
             raise ConnectTimeout(f"timed out after {self.connect_timeout} s connecting to {self.host}:{self.port}") from None
 
     async def _open(self, loop: asyncio.AbstractEventLoop, timing: RequestTiming) -> Connection:
-        host, port = self.host, self.port
+        proxy = self.egress
+        host, port = (proxy.host, proxy.port) if proxy is not None else (self.host, self.port)  # (DNS and TCP: to the proxy)
         addresses = [host]
         if not _is_ip(host):
             timing.dns_start_ns = now_ns()
@@ -178,17 +189,27 @@ class Upstream:
         for address in addresses:
             timing.tcp_start_ns = now_ns()
             try:
-                transport, connection = await loop.create_connection(lambda: Connection(loop), address, port)
+                transport, connection = await loop.create_connection(lambda: Connection(loop, self.budget), address, port)
                 break
             except OSError as exc:
                 last = exc
         else:
+            if proxy is not None:
+                raise EgressError(f"the egress proxy {proxy.where}: {last or 'no address'}") from last
             raise ConnectError(f"{last or 'no address'}") from last
         timing.tcp_end_ns = now_ns()
+        if proxy is not None and self.ssl_context is not None:
+            timing.proxy_start_ns = now_ns()
+            try:
+                await self._tunnel(connection, proxy)
+            except BaseException:
+                transport.abort()
+                raise
+            timing.proxy_end_ns = now_ns()
         if self.ssl_context is not None:
             timing.tls_start_ns = now_ns()
-            try:
-                tls = await loop.start_tls(transport, connection, self.ssl_context, server_hostname=host)
+            try:  # (through a tunnel too: end to end, the certificate checked against the upstream's name)
+                tls = await loop.start_tls(transport, connection, self.ssl_context, server_hostname=self.host)
             except (ssl.SSLError, OSError) as exc:
                 transport.abort()
                 raise ConnectError(f"TLS handshake failed: {exc}") from exc
@@ -197,6 +218,21 @@ class Upstream:
             connection.transport = tls
             timing.tls_end_ns = now_ns()
         return connection
+
+    async def _tunnel(self, connection: Connection, proxy: egress.EgressProxy) -> None:
+        """`CONNECT host:port` through the egress proxy; the connection then carries the upstream's bytes."""
+        authority = f"{self.host}:{self.port}".encode()
+        head = b"CONNECT " + authority + b" HTTP/1.1\r\nHost: " + authority + b"\r\n"
+        if proxy.authorization:
+            head += b"Proxy-Authorization: " + proxy.authorization + b"\r\n"
+        connection.write(head + b"\r\n", b"")
+        try:
+            await connection.response_head()
+        except TransportError as exc:
+            raise EgressError(f"the egress proxy {proxy.where} closed the connection during CONNECT: {exc}") from None
+        if connection.status != 200:
+            raise EgressError(f"the egress proxy {proxy.where} answered {connection.status} to CONNECT {authority.decode()}")
+        connection.tunnelled()
 
     def release(self, connection: Connection) -> None:
         """Give the connection back: pooled if the response was read whole and the upstream keeps

@@ -423,3 +423,40 @@ class Postgres:
         except subprocess.CalledProcessError:
             pass  # (already stopped)
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class TinyProxy:
+    """Debian's tinyproxy: a real forward proxy on loopback, with Basic authentication (CONNECT to
+    every port allowed), its log read back for what it was asked to do."""
+
+    def __init__(self, workdir: Path, user: str = "proxyuser", password: str = "proxy-SECRET-5d4c") -> None:
+        exe = shutil.which("tinyproxy")
+        assert exe, "tinyproxy missing: run `make test` (it installs Debian's tinyproxy package)"
+        self.port, self.user, self.password = free_port(), user, password
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.logfile = workdir / "tinyproxy.log"
+        config = workdir / "tinyproxy.conf"
+        config.write_text(f'Port {self.port}\nListen 127.0.0.1\nTimeout 60\nLogFile "{self.logfile}"\nLogLevel Connect\nMaxClients 200\n'
+                          f"BasicAuth {user} {password}\nDisableViaHeader Yes\n")
+        os.chmod(workdir, 0o777)  # (it may drop privileges to nobody when started as root)
+        self.process = subprocess.Popen([exe, "-d", "-c", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and self.process.poll() is None, "tinyproxy did not start"
+                time.sleep(0.05)
+
+    def url(self, credentials: bool = True) -> str:
+        return f"http://{self.user}:{self.password}@127.0.0.1:{self.port}" if credentials else f"http://127.0.0.1:{self.port}"
+
+    def requests(self) -> list[str]:
+        """The request lines it received ("CONNECT host:port HTTP/1.1", "GET http://… HTTP/1.1")."""
+        text = self.logfile.read_text() if self.logfile.exists() else ""
+        return [line.split("): ", 1)[1] for line in text.splitlines() if "Request (file descriptor" in line]
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=10)

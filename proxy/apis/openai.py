@@ -71,6 +71,10 @@ class OpenAI(Dialect):
 
 def _delta_text(delta: dict[str, Any]) -> tuple[str, bool]:
     """(generated text, whether any of it is visible reasoning)."""
+    if len(delta) == 1:  # the usual delta: its content alone (nothing else to look for)
+        content = delta.get("content")
+        if isinstance(content, str):
+            return content, False
     reasoning = string(delta.get("reasoning_content")) or string(delta.get("reasoning"))
     parts = [string(delta.get("content")), string(delta.get("refusal")), reasoning]
     call = delta.get("function_call")

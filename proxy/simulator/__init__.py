@@ -22,7 +22,9 @@ interleaved), `x-sim-chunk-pattern: 4,4,2` (tokens per chunk, cycled), `x-sim-ca
 (`: keep-alive` comments before the first token), `x-sim-reject-stream-options: 1` (400, as older
 Azure api-versions), `x-sim-vllm-metrics: 1` (vLLM's per-request `metrics`), `x-sim-tgi-headers: 1`,
 `x-sim-delta-field: refusal | function_call`, `x-sim-body-bytes: N` (pads a non-streaming body),
-`x-sim-drop-body: 1` (a non-streaming body cut in half), `x-sim-done-gap-ms` (the stream ends a while
+`x-sim-drop-body: 1` (a non-streaming body cut in half), `x-sim-event-bytes: N` (each streamed
+chat chunk carries `logprobs` with `top_logprobs`, about N bytes: the big events of a slow reader's
+test), `x-sim-done-gap-ms` (the stream ends a while
 after `[DONE]`), `x-sim-logprobs: N` (N logprobs entries in a
 non-streaming body: parse-heavy JSON). `POST /v1/responses` (the Responses API, `responses.py`)
 follows the same schedule and headers (`max_output_tokens`; reasoning as `reasoning_text`, or

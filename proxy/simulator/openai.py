@@ -61,7 +61,14 @@ async def stream(sim: "Simulator", send: Any, kind: str, ident: str, created: in
             delta = {"function_call": {"arguments": content}}
         elif content is not None:
             delta = {content_field: content}
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": index, "delta": delta, "logprobs": logprobs if content and not role else None, "finish_reason": finish}
+
+    # x-sim-event-bytes: N: each content chunk carries `logprobs` with `top_logprobs` (as OpenAI sends
+    # them with logprobs=true, top_logprobs=20) padded to about N bytes: big events, small content.
+    alternatives = max(0, int(headers.get("x-sim-event-bytes", "0")) // 56)
+    logprobs = ({"content": [{"token": " the", "logprob": -0.125, "bytes": [32, 116, 104, 101],
+                              "top_logprobs": [{"token": " alt", "logprob": -2.5, "bytes": [32, 97, 108, 116]}] * alternatives}]}
+                if alternatives else None)
 
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]})
     if cfg.role_chunk and kind == "chat":

@@ -1,0 +1,84 @@
+"""CPU per relayed chunk, this proxy against Envoy (the floor) and optionally another checkout, side
+by side: interleaved rounds at 1, 16 and 64 streams in both client styles (keep-alive, and one
+connection per stream), the simulator at compare.py's schedule (TTFT 20 ms, 100 tok/s, 100 tokens).
+
+    ENVOY=.venv-envoy/bin/envoy .venv/bin/python bench/chunk_cpu.py [--before DIR] [--rounds 3] [--seconds 5] [-- proxy flags]
+
+CPU is every thread of each relay's process (/proc/PID/task/*/schedstat), per chunk the client
+received; the per-request work (finish, records, metrics) is in it, as in compare.py. The table
+gives medians of the rounds and each system's ratio to Envoy's in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import compare  # noqa: E402
+
+from proxy.demo import free_port, serve_command  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--before", default="", help="another checkout to run beside this one (a git worktree)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--styles", nargs="+", default=["keep-alive", "fresh"], help="keep-alive, fresh (one connection per stream)")
+    parser.add_argument("proxy_args", nargs="*", help="extra flags for the proxies, after --")
+    args = parser.parse_args()
+    sim_port = free_port()
+    compare.SIM_URL = f"http://127.0.0.1:{sim_port}"
+    ports = {"envoy": free_port(), "this proxy": free_port()}
+    commands = {"this proxy": serve_command(str(ROOT), "serve", "--upstream", f"{compare.SIM_URL}/v1", "--port", str(ports["this proxy"]),
+                                            "--records-db", str(Path(tempfile.mkdtemp()) / "r.sqlite"), *args.proxy_args)}
+    if args.before:
+        ports["before"] = free_port()
+        commands["before"] = serve_command(args.before, "serve", "--upstream", f"{compare.SIM_URL}/v1", "--port", str(ports["before"]),
+                                           "--records-db", str(Path(tempfile.mkdtemp()) / "r.sqlite"), *args.proxy_args)
+    config = Path(tempfile.mkdtemp()) / "envoy.yaml"
+    config.write_text(compare.ENVOY_CONFIG.format(port=ports["envoy"], sim_port=sim_port))
+    commands["envoy"] = [compare.ENVOY, "-c", str(config), "--concurrency", "1", "--log-level", "error", "--disable-hot-restart"]
+    health = {name: f"http://127.0.0.1:{port}/{'health' if name == 'envoy' else 'healthz'}" for name, port in ports.items()}
+    levels = [(streams, style == "fresh") for style in args.styles for streams in args.streams]
+    figures: dict[str, dict[tuple[int, bool], list[float]]] = {name: {level: [] for level in levels} for name in ports}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(compare.process([sys.executable, "-m", "proxy", "simulate", "--port", str(sim_port)], f"{compare.SIM_URL}/health"))
+        compare.schedule(compare.SWEEP_SCHEDULE)
+        pids = {name: stack.enter_context(compare.process(commands[name], health[name])).pid for name in ports}
+        for name in ports:  # warm each path
+            asyncio.run(compare.concurrent((ports[name], "/v1"), 8, 1.0))
+        for round_ in range(args.rounds):
+            for streams, fresh in levels:
+                order = list(ports) if round_ % 2 == 0 else list(ports)[::-1]
+                for name in order:
+                    before = compare.cpu_seconds(pids[name])
+                    result = asyncio.run(compare.concurrent((ports[name], "/v1"), streams, args.seconds, fresh=fresh))
+                    figures[name][(streams, fresh)].append((compare.cpu_seconds(pids[name]) - before) / max(1, result["chunks"]) * 1e6)
+            print(f"round {round_ + 1} of {args.rounds} done", flush=True)
+    names = list(ports)
+    print(f"\ncommand: ENVOY=.venv-envoy/bin/envoy .venv/bin/python bench/chunk_cpu.py {' '.join(sys.argv[1:])}; "
+          f"{args.rounds} interleaved rounds of {args.seconds:g} s, medians (µs of CPU per relayed chunk)")
+    print("| streams | client | " + " | ".join(names) + " |")
+    print("|---|---|" + "---|" * len(names))
+    for streams, fresh in levels:
+        floor = statistics.median(figures["envoy"][(streams, fresh)])
+        cells = []
+        for name in names:
+            value = statistics.median(figures[name][(streams, fresh)])
+            cells.append(f"{value:.1f}" if name == "envoy" else f"{value:.1f} ({value / floor:.2f}×)")
+        print(f"| {streams} | {'one connection each' if fresh else 'keep-alive'} | " + " | ".join(cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,127 @@
+"""The hot path: a streamed response's bytes, from the upstream connection to the client's, as they come.
+
+Per piece the pump does almost nothing: the piece's read instant is already taken (connection.py,
+in the protocol callback); it is forwarded untouched (or, in rewrite mode, as the reader rewrites
+its events), then the reader notes what it meant (timestamps and counts only); the inter-chunk
+limit is moved at most once per sixteenth of itself. Two ways, one set of steps:
+
+- `forward`, the fast way: called by the upstream connection's protocol callback, for a piece read
+  while the relay's task is waiting for one and the client is taking bytes. It writes the piece to
+  the client's transport at once (`server.BodyWriter`: HTTP/1.1 chunked framing, as uvicorn's ASGI
+  send would), with no task switch and no ASGI send per piece;
+- `run`, the task's loop: a piece that found the client not taking bytes (its write buffer over the
+  high-water mark: a slow reader), or the pieces read ahead behind it (the read-ahead, connection.py),
+  go through the ASGI send, which waits for the client's flow control. It also ends the response.
+
+The order is kept: the fast way is taken only when nothing is read ahead and no send is under way.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+from .timing import now_ns
+
+if TYPE_CHECKING:
+    from .connection import Connection
+    from .reader import Reader
+    from .server import BodyWriter
+    from .timing import RequestTiming
+
+NON_STREAM_BODY_LIMIT = 16 * 1024 * 1024  # bytes kept for reading usage from a JSON body
+
+
+class Pump:
+    __slots__ = ("t", "send", "reader", "rewrite", "framed", "json_body", "kept", "silence", "loop", "idle", "grace", "moved",
+                 "decoding", "sending", "writer")
+
+    def __init__(self, t: RequestTiming, send: Callable[[dict[str, Any]], Awaitable[None]], reader: Reader | None, rewrite: bool,
+                 json_body: list[bytes] | None, silence: asyncio.Timeout | None, idle_s: float, writer: BodyWriter | None) -> None:
+        self.t, self.send, self.reader, self.rewrite, self.json_body = t, send, reader, rewrite, json_body
+        self.framed = reader is not None and reader.decoder is not None
+        self.kept = 0
+        # The inter-chunk limit is moved at most once per `grace` (idle/16), to `idle + grace` ahead:
+        # a stream is cut after between idle and 17/16 idle of silence, and a chunk costs no timer.
+        self.silence, self.loop, self.idle, self.grace, self.moved = silence, asyncio.get_running_loop(), idle_s, idle_s / 16, 0.0
+        self.decoding = bool(t.content_ns)
+        self.sending = False  # handing bytes to a client that is not taking them (a timeout now is the client's: client_slow)
+        self.writer = writer if writer is not None and writer.chunked else None  # None: every piece through the ASGI send
+
+    def _moved(self, first: bool = False) -> None:
+        silence = self.silence
+        if silence is None:
+            return
+        at = self.loop.time()
+        if first or at > self.moved:
+            silence.reschedule(at + self.idle + self.grace)
+            self.moved = at + self.grace
+
+    def _noted(self, chunk: bytes, now: int) -> None:
+        """After a passthrough piece went out: what it meant (the reader), or the JSON body kept."""
+        if self.framed:
+            self.reader.feed(chunk, now)  # type: ignore[union-attr]
+        elif self.json_body is not None and self.kept < NON_STREAM_BODY_LIMIT:
+            self.json_body.append(chunk)
+            self.kept += len(chunk)
+
+    def _first_token(self, sent: int) -> None:
+        """This piece held the first token: when it was handed on; the inter-chunk limit starts."""
+        self.decoding, self.t.first_sent_ns = True, sent
+        self._moved(first=True)
+
+    def forward(self, chunk: bytes, now: int) -> bool:
+        """The fast way, in the upstream protocol's callback; False: not now (the task's loop takes it)."""
+        writer = self.writer
+        if writer is None or not writer.ready():
+            return False
+        decoding = self.decoding
+        if decoding:
+            self._moved()
+        if self.rewrite:
+            out = self.reader.rewrite(chunk, now)  # type: ignore[union-attr]
+            sent = 0 if decoding else now_ns()
+            if out:
+                writer.write(out)
+        else:
+            sent = 0 if decoding else now_ns()
+            writer.write(chunk)
+            self._noted(chunk, now)
+        if not decoding and self.t.content_ns:
+            self._first_token(sent)
+        return True
+
+    async def run(self, response: Connection) -> None:
+        """The task's loop: the pieces the fast way did not take, then the end of the response."""
+        t, send, read = self.t, self.send, response.read
+        response.fast = self.forward if self.writer is not None else None
+        try:
+            while chunk := await read():
+                now = response.read_ns  # when the bytes came off the socket (connection.py), not when this task woke
+                decoding = self.decoding
+                if decoding:
+                    self._moved()
+                self.sending = True
+                # `sent`: as the bytes are handed to the server (as for the last byte: a client the kernel
+                # runs first once woken, on this busy machine, is not the proxy's own time)
+                if self.rewrite:
+                    out = self.reader.rewrite(chunk, now)  # type: ignore[union-attr]
+                    sent = 0 if decoding else now_ns()
+                    if out:
+                        await send({"type": "http.response.body", "body": out, "more_body": True})
+                else:
+                    sent = 0 if decoding else now_ns()
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    self._noted(chunk, now)
+                self.sending = False
+                if not decoding and t.content_ns:
+                    self._first_token(sent)
+        finally:
+            response.fast = None
+        t.upstream_end_ns = now = response.read_ns or now_ns()
+        self.sending = True  # the upstream is done: a timeout from here on is the client's
+        if self.reader is not None and (out := self.reader.flush(now, self.rewrite)):
+            await send({"type": "http.response.body", "body": out, "more_body": True})
+        # Stamped as the last write is handed over: on a busy machine the kernel may run the woken
+        # client first, and that wait is not the proxy's own time.
+        t.response_end_ns = now_ns()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})

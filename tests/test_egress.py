@@ -182,3 +182,21 @@ def test_a_proxy_refusing_the_credentials_is_a_clear_502_naming_no_secret(forwar
         down.stop()
     assert response.status_code == 502 and response.json()["error"]["code"] == "upstream_proxy_error"
     assert "egress proxy 127.0.0.1:" in response.json()["error"]["message"]
+
+
+def test_a_route_names_its_own_proxy_or_none(tmp_path, monkeypatch):
+    from proxy.config import Settings
+    from proxy.routes import Router
+
+    monkeypatch.setenv("HTTPS_PROXY", "http://company-proxy:3128")
+    routes = tmp_path / "routes.yaml"
+    routes.write_text("upstreams:\n"
+                      "  - {name: openai, url: 'https://api.openai.com/v1'}\n"
+                      "  - {name: other, url: 'https://other.example/v1', upstream_proxy: 'http://u:p@other-proxy:8080'}\n"
+                      "  - {name: inside, url: 'https://vllm.internal/v1', upstream_proxy: none}\n"
+                      "routes:\n  - {models: ['*'], upstreams: [openai]}\n")
+    router = Router(Settings(routes=str(routes)))
+    egresses = {name: upstream.egress for name, upstream in router.upstreams.items()}
+    assert egresses["openai"].host == "company-proxy"  # the environment's
+    assert egresses["other"].where == "other-proxy:8080" and egresses["other"].authorization  # its own
+    assert egresses["inside"] is None  # direct

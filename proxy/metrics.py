@@ -84,6 +84,8 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("llmproxy_upstream_connect_seconds", "summary", "Opening a new upstream connection, by step (dns, tcp, tls).", ("upstream", "step")),
     MetricDef("llmproxy_upstream_rtt_seconds", "histogram", "Kernel smoothed RTT (TCP_INFO) of the upstream connection a request used.", ("upstream",), RTT_BUCKETS),
     MetricDef("llmproxy_tokenize_seconds", "summary", "Tokenizer time per request, by kind (prompt, completion).", ("model", "kind")),
+    MetricDef("llmproxy_token_cache_lookups", "counter", "Prompt parts (a message, the tools, the instructions) looked up in the proxy's token-count cache, by result (hit: counted before, not tokenized again; miss: tokenized). hit / all is the hit ratio.", ("result",)),
+    MetricDef("llmproxy_token_cache_bytes", "gauge", "Bytes of prompt text whose token counts the cache holds (at most 64 MiB per process).", ()),
     MetricDef("llmproxy_tokens", "counter", "Tokens by kind (prompt, completion, cached_prompt: prompt tokens served from the cache, reasoning: hidden reasoning tokens, part of completion) and source (usage, engine, tokenizer).", ("model", "upstream", "kind", "source")),
     MetricDef("llmproxy_upstream_connections", "counter", "Upstream requests by whether they reused a pooled connection.", ("upstream", "reused")),
     MetricDef("llmproxy_telemetry_errors", "counter", "Failures inside metrics, tracing, tokenizer, records, the SLO verdict or OTLP exports (otlp_export: spans, otlp_metrics: metrics); the request itself was unaffected.", ("component",)),
@@ -182,6 +184,8 @@ class ProxyMetrics:
             self.m["llmproxy_telemetry_errors"].labels(component)
         for reason in DROP_REASONS:
             self.child("llmproxy_records_dropped", reason)
+        for result in ("hit", "miss"):
+            self.child("llmproxy_token_cache_lookups", result)
 
     def child(self, name: str, *labels: str) -> Any:
         """The child for these label values, bound once (no label validation per observation)."""
@@ -197,6 +201,13 @@ class ProxyMetrics:
 
     def telemetry_error(self, component: str) -> None:
         self.child("llmproxy_telemetry_errors", component).inc()
+
+    def token_cache(self, hits: int, misses: int, size: int) -> None:
+        if hits:
+            self.child("llmproxy_token_cache_lookups", "hit").inc(hits)
+        if misses:
+            self.child("llmproxy_token_cache_lookups", "miss").inc(misses)
+        self.child("llmproxy_token_cache_bytes").set(size)
 
     def records_dropped(self, reason: str, count: int) -> None:
         """(From the records writer's thread: prometheus_client's children take their own lock.)"""

@@ -46,12 +46,12 @@ def summarize_request(path: str, body: bytes) -> tuple[dict[str, Any] | None, Pr
 _worker_tokenizer: Tokenizer | None = None  # in the worker process only, made at its first count
 
 
-def count_prompt(parts: PromptParts, default_encoding: str) -> tuple[int, int, float]:
-    """In the worker: a prompt's tokens, timed with no event loop competing for the GIL."""
+def count_texts(model: str, texts: list[str], default_encoding: str) -> tuple[list[int], float]:
+    """In the worker: each text's tokens, timed with no event loop competing for the GIL."""
     global _worker_tokenizer
     if _worker_tokenizer is None:
         _worker_tokenizer = Tokenizer(default_encoding)
-    return _worker_tokenizer.timed_prompt_count(parts)
+    return _worker_tokenizer.timed_counts(model, texts)
 
 
 def _ready() -> bool:
@@ -101,11 +101,11 @@ class Offload:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self.threads, fn, *args)
 
-    async def prompt_count(self, size: int, tokenizer: Tokenizer, parts: PromptParts) -> tuple[int, int, float]:
-        """Small prompts inline; larger ones in the worker, where the CPU time is the tokenizer's own."""
-        if size <= INLINE_TOKENIZE_BYTES:
-            return tokenizer.timed_prompt_count(parts)
-        return await self.process(count_prompt, parts, tokenizer.default_encoding)
+    async def counts(self, tokenizer: Tokenizer, model: str, texts: list[str]) -> tuple[list[int], float]:
+        """Prompt parts to count: a few KB inline, more in the worker, where the CPU time is the tokenizer's own."""
+        if sum(map(len, texts)) <= INLINE_TOKENIZE_BYTES:
+            return tokenizer.timed_counts(model, texts)
+        return await self.process(count_texts, model, texts, tokenizer.default_encoding)
 
     async def process(self, fn: Callable[..., T], *args: Any) -> T:
         if self._process is None:

@@ -27,7 +27,7 @@ from .offload import Offload
 from .records import Writer
 from .slo import SLOs, Verdict
 from .timing import Breakdown, RequestTiming, split
-from .tokens import PromptParts, Tokenizer
+from .tokens import PromptParts, TokenCache, Tokenizer
 from .tracing import RequestSpans, Tracing
 
 log = logging.getLogger("llmproxy.telemetry")
@@ -96,6 +96,7 @@ def record_dict(ctx: RequestContext, b: Breakdown) -> dict[str, Any]:
         "hidden_reasoning_tokens": t.hidden_reasoning_tokens,
         "token_source": t.token_source,
         "tokenize_prompt_s": t.tokenize_prompt_s,
+        "tokenize_looked_up_tokens": t.tokenize_looked_up_tokens,
         "content_chunks": len(t.content_ns),
         "malformed_chunks": t.malformed_chunks,
         "unmeasured": t.unmeasured,
@@ -194,6 +195,7 @@ class Telemetry:
                  slos: SLOs | None = None, meters: Meters | None = None) -> None:
         self.settings = settings
         self.slos = slos or SLOs()
+        self.token_cache = TokenCache()  # counts of prompt parts seen before (an agent's system prompt, tools, history)
         self.metrics = metrics
         self.tracing = tracing
         self.tokenizer = tokenizer
@@ -328,6 +330,26 @@ class Telemetry:
             with self._guard(sink.name):
                 sink.export(ctx, b)
 
+    async def _prompt_count(self, parts: PromptParts) -> tuple[int, float, int]:
+        """(tokens, seconds, tokens looked up): only the parts the cache does not know are counted;
+        the others' time is their tokens at the tokenizer rate this process measured (TokenCache)."""
+        tokenizer, cache = self.tokenizer, self.token_cache
+        assert tokenizer is not None
+        encoding = tokenizer.encoding_name(parts.model)
+        hits_before, misses_before = cache.hits, cache.misses
+        known = cache.lookup(encoding, parts.texts)
+        missing = [text for text, count in zip(parts.texts, known) if count is None]
+        looked_up = sum(count for count in known if count is not None)
+        seconds = 0.0
+        counts: list[int] = []
+        if missing:
+            counts, seconds = await self.offload.counts(tokenizer, parts.model, missing)
+            cache.store(encoding, missing, counts)
+            cache.measured(sum(counts), seconds)
+        with self._guard("metrics"):
+            self.metrics.token_cache(cache.hits - hits_before, cache.misses - misses_before, cache.bytes)
+        return parts.fixed + looked_up + sum(counts), seconds + looked_up * cache.seconds_per_token, looked_up
+
     async def _count_tokens(self, ctx: RequestContext) -> None:
         """Prompt tokens (always timed: the tokenize phase), then completion tokens per chunk if needed.
 
@@ -343,8 +365,8 @@ class Telemetry:
                 parts = apis.BY_NAME[t.api].prompt_parts(t.endpoint, ctx.request)
         if parts is not None:
             with self._guard("tokenizer"):
-                count, uncounted, seconds = await self.offload.prompt_count(ctx.request_size, self.tokenizer, parts)
-                t.tokenize_prompt_s, t.prompt_uncounted_parts = seconds, uncounted
+                count, seconds, looked_up = await self._prompt_count(parts)
+                t.tokenize_prompt_s, t.prompt_uncounted_parts, t.tokenize_looked_up_tokens = seconds, parts.uncounted, looked_up
                 if t.prompt_tokens is None:
                     t.prompt_tokens = count
         text = ctx.body.text if ctx.body is not None else ""

@@ -100,6 +100,7 @@ class RequestTiming:
     prompt_uncounted_parts: int = 0  # prompt parts the tokenizer cannot count (images, audio, files)
     token_source: TokenSource = "usage"
     tokenize_prompt_s: float | None = None
+    tokenize_looked_up_tokens: int = 0  # of the prompt's tokens, those the proxy's cache knew (their time: at the measured rate)
     tokenize_completion_s: float | None = None
     chunk_tokens: list[float] | None = None  # tokens per content entry, filled at finish (None: 1 each)
     # result

@@ -29,9 +29,10 @@ def test_a_large_prompt_is_counted_in_the_worker_with_the_tokenizers_own_time():
 
     spinner = threading.Thread(target=busy)
     try:
-        asyncio.run(offload.prompt_count(BIG_BODY_BYTES, tok, parts))  # the worker loads its BPE tables (not timed)
+        asyncio.run(offload.counts(tok, parts.model, parts.texts))  # the worker loads its BPE tables (not timed)
         spinner.start()
-        count, uncounted, seconds = asyncio.run(offload.prompt_count(BIG_BODY_BYTES, tok, parts))
+        counts, seconds = asyncio.run(offload.counts(tok, parts.model, parts.texts))
+        count, uncounted = parts.fixed + sum(counts), parts.uncounted
     finally:
         stop.set()
         offload.shutdown()

@@ -90,3 +90,27 @@ def test_tools_tool_calls_and_content_parts():
     assert with_tools == counted(tok, "chat", {"model": "gpt-4o", "messages": messages}) + len(enc.encode(orjson.dumps(tools).decode()))
     count, uncounted, seconds = tok.timed_prompt_count(parts)
     assert count == tok.count_parts(parts) and uncounted == 1 and seconds >= 0
+
+
+def test_the_cache_knows_each_part_by_its_text_and_forgets_the_oldest():
+    from proxy.tokens import TokenCache
+
+    cache = TokenCache(max_bytes=10, max_entries=100)
+    assert cache.lookup("o200k_base", ["abcd", "efgh"]) == [None, None] and cache.misses == 2
+    cache.store("o200k_base", ["abcd", "efgh"], [1, 2])
+    assert cache.lookup("o200k_base", ["efgh", "abcd", "abce"]) == [2, 1, None]  # one character changed: not the same part
+    assert cache.lookup("cl100k_base", ["abcd"]) == [None]  # per encoding
+    cache.store("o200k_base", ["ijkl"], [3])  # 12 bytes > 10: the least recently used (efgh) goes
+    assert cache.lookup("o200k_base", ["efgh", "abcd", "ijkl"]) == [None, 1, 3] and cache.bytes == 8
+
+
+def test_the_cache_rate_is_learned_from_large_counts_weighted_by_tokens():
+    from proxy.tokens import TokenCache
+
+    cache = TokenCache()
+    cache.measured(20, 20e-6)  # small counts: 1 µs a token, their per-call overhead included
+    assert cache.seconds_per_token == pytest.approx(1e-6)  # (all there is, so far)
+    cache.measured(30_000, 3e-3)  # a large one: 0.1 µs a token
+    for _ in range(40):
+        cache.measured(20, 20e-6)
+    assert cache.seconds_per_token == pytest.approx(1e-7)  # small counts no longer bend it

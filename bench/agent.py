@@ -1,0 +1,185 @@
+"""Agent-sized requests: a coding agent's conversation through this proxy and through Envoy, side by side.
+
+    ENVOY=.venv-envoy/bin/envoy .venv/bin/python bench/agent.py [--turns 40] [--apis chat responses messages gemini] [--before DIR] [-- proxy flags]
+
+The conversation is what Claude Code, Codex CLI or Gemini CLI send: a 170 KB system prompt and 30
+tool schemas (about 42,000 prompt tokens of the proxy's tokenizer together), resent on every turn
+with one more user message and the previous answer; each answer is 20 streamed chunks (TTFT 20 ms,
+1,000 tok/s: the upstream's time is not what is measured). For each API that carries such prompts
+(chat completions with `tools`, the Responses API with `instructions` and `tools`, Anthropic
+Messages with `system` and `tools`, Gemini with `systemInstruction` and `tools`), the turns go
+through each relay one after the other, interleaved per turn. Reported per relay: CPU per request
+(every thread of the relay's processes, the proxy's offload worker included), the added TTFT p50
+against the same request sent direct, and, for this proxy, the `tokenize` figure its records give
+turn 1 and turn 40 of the same conversation. Each relay is warmed first with one request of another
+system prompt (the proxy's worker loads its BPE table once, at its first big prompt).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
+import compare  # noqa: E402
+
+from proxy.demo import free_port, serve_command  # noqa: E402
+
+WORDS = ("the", "repository", "function", "returns", "error", "test", "file", "change", "user", "build", "module", "command", "path",
+         "value", "when", "should", "never", "always", "before", "after", "review", "commit", "branch", "output", "input", "agent")
+HEADERS = {"x-sim-ttft-ms": "20", "x-sim-decode-tps": "1000"}
+
+
+def system_prompt(size: int = 170_000, seed: int = 1) -> str:
+    rng = random.Random(seed)
+    lines, total = [], 0
+    while total < size:
+        line = " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 20))).capitalize() + "."
+        lines.append(line)
+        total += len(line) + 1
+    return "\n".join(lines)
+
+
+def tool_schemas(count: int = 30, seed: int = 2) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    tools = []
+    for i in range(count):
+        props = {f"arg_{j}": {"type": rng.choice(["string", "integer", "boolean"]),
+                              "description": " ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 14)))} for j in range(rng.randint(3, 8))}
+        tools.append({"name": f"tool_{i}", "description": " ".join(rng.choice(WORDS) for _ in range(40)),
+                      "parameters": {"type": "object", "properties": props, "required": list(props)[:2]}})
+    return tools
+
+
+def turn_bodies(api: str, turns: int) -> list[tuple[str, dict[str, Any]]]:
+    """(path, body) of each turn: the same system prompt and tools, the conversation one exchange longer."""
+    system, tools = system_prompt(), tool_schemas()
+    history: list[tuple[str, str]] = []
+    out = []
+    for turn in range(turns):
+        history.append(("user", f"Turn {turn}: please look at the failing test in module {turn} and fix it."))
+        if api == "chat":
+            messages = [{"role": "system", "content": system}] + [{"role": r, "content": c} for r, c in history]
+            out.append(("/v1/chat/completions", {"model": "agent-model", "messages": messages, "stream": True, "max_tokens": 20,
+                                                 "tools": [{"type": "function", "function": t} for t in tools]}))
+        elif api == "responses":
+            out.append(("/v1/responses", {"model": "agent-model", "instructions": system, "stream": True, "max_output_tokens": 20,
+                                          "input": [{"role": r, "content": c} for r, c in history],
+                                          "tools": [{"type": "function", **t} for t in tools]}))
+        elif api == "messages":
+            out.append(("/v1/messages", {"model": "agent-model", "system": system, "stream": True, "max_tokens": 20,
+                                         "messages": [{"role": r, "content": c} for r, c in history],
+                                         "tools": [{"name": t["name"], "description": t["description"], "input_schema": t["parameters"]} for t in tools]}))
+        else:
+            out.append(("/v1beta/models/agent-model:streamGenerateContent?alt=sse",
+                        {"systemInstruction": {"parts": [{"text": system}]}, "generationConfig": {"maxOutputTokens": 20},
+                         "contents": [{"role": "model" if r == "assistant" else "user", "parts": [{"text": c}]} for r, c in history],
+                         "tools": [{"functionDeclarations": [{"name": t["name"], "description": t["description"], "parameters": t["parameters"]}
+                                                             for t in tools]}]}))
+        history.append(("assistant", " ".join(WORDS[(turn + k) % len(WORDS)] for k in range(20))))
+    return out
+
+
+def one(client: httpx.Client, base: str, path: str, body: bytes) -> float:
+    """TTFT of one streamed request (the first byte of the body after the head)."""
+    began = time.perf_counter()
+    with client.stream("POST", base + path, content=body, headers={**HEADERS, "content-type": "application/json"}) as response:
+        first = None
+        for _ in response.iter_raw():
+            if first is None:
+                first = time.perf_counter() - began
+        assert response.status_code == 200, response.status_code
+    return first or 0.0
+
+
+def children_cpu(pid: int) -> float:
+    """CPU of the process and its children (the proxy's offload worker), from schedstat."""
+    total = compare.cpu_seconds(pid)
+    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        with contextlib.suppress(OSError):
+            total += children_cpu(int(child))
+    return total
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--turns", type=int, default=40)
+    parser.add_argument("--apis", nargs="+", default=["chat", "responses", "messages", "gemini"])
+    parser.add_argument("--before", default="")
+    parser.add_argument("proxy_args", nargs="*")
+    args = parser.parse_args()
+    sim_port = free_port()
+    compare.SIM_URL = f"http://127.0.0.1:{sim_port}"
+    ports = {"envoy": free_port(), "this proxy": free_port()}
+    db = Path(tempfile.mkdtemp())
+    commands = {"this proxy": serve_command(str(ROOT), "serve", "--upstream", f"{compare.SIM_URL}/v1", "--port", str(ports["this proxy"]),
+                                            "--records-db", str(db / "a.sqlite"), *args.proxy_args)}
+    if args.before:
+        ports["before"] = free_port()
+        commands["before"] = serve_command(args.before, "serve", "--upstream", f"{compare.SIM_URL}/v1", "--port", str(ports["before"]),
+                                           "--records-db", str(db / "b.sqlite"), *args.proxy_args)
+    config = db / "envoy.yaml"
+    config.write_text(compare.ENVOY_CONFIG.format(port=ports["envoy"], sim_port=sim_port))
+    commands["envoy"] = [compare.ENVOY, "-c", str(config), "--concurrency", "1", "--log-level", "error", "--disable-hot-restart"]
+    rows = []
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(compare.process([sys.executable, "-m", "proxy", "simulate", "--port", str(sim_port)], f"{compare.SIM_URL}/health"))
+        pids = {name: stack.enter_context(compare.process(commands[name], f"http://127.0.0.1:{port}/{'health' if name == 'envoy' else 'healthz'}")).pid
+                for name, port in ports.items()}
+        client = stack.enter_context(httpx.Client(timeout=120))
+        # Warm: a proxy's offload worker loads its BPE table at the first prompt it counts (about a
+        # second of CPU, once per process); a conversation of another system prompt warms every relay.
+        warm_path, warm = turn_bodies("chat", 1)[0]
+        warm["messages"][0]["content"] = "warm-up " + warm["messages"][0]["content"]
+        for port in ports.values():
+            one(client, f"http://127.0.0.1:{port}", warm_path, json.dumps(warm).encode())
+        time.sleep(3.0)
+        for api in args.apis:
+            bodies = [(path, json.dumps(body).encode()) for path, body in turn_bodies(api, args.turns)]
+            ttft: dict[str, list[float]] = {name: [] for name in [*ports, "direct"]}
+            # Each relay's process does only its own requests' work: its CPU over the whole
+            # conversation, the finish of the last turn included (tokenize, records), per turn.
+            started_cpu = {name: children_cpu(pid) for name, pid in pids.items()}
+            for path, raw in bodies:  # one turn through each relay (and direct), then the next turn
+                ttft["direct"].append(one(client, compare.SIM_URL, path, raw))
+                for name, port in ports.items():
+                    ttft[name].append(one(client, f"http://127.0.0.1:{port}", path, raw))
+            time.sleep(1.5)
+            cpu = {name: children_cpu(pid) - started_cpu[name] for name, pid in pids.items()}
+            records = {name: httpx.get(f"http://127.0.0.1:{port}/llmproxy/requests", params={"limit": args.turns}).json()
+                       for name, port in ports.items() if name != "envoy"}
+            direct = statistics.median(ttft["direct"])
+            for name in ports:
+                row = {"api": api, "relay": name, "cpu_ms": cpu[name] / len(bodies) * 1000,
+                       "added_ttft_ms": (statistics.median(ttft[name]) - direct) * 1000}
+                if name in records:
+                    r = records[name]
+                    row.update(tokenize_first_ms=(r[0]["tokenize_prompt_s"] or 0) * 1000, tokenize_last_ms=(r[-1]["tokenize_prompt_s"] or 0) * 1000,
+                               prompt_tokens=(r[0]["prompt_tokens"], r[-1]["prompt_tokens"]), body_kb=len(bodies[-1][1]) / 1000)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    print(f"\ncommand: ENVOY=.venv-envoy/bin/envoy .venv/bin/python bench/agent.py {' '.join(sys.argv[1:])}; {args.turns} turns per API, "
+          "CPU per request is the mean over the turns")
+    print("| api | relay | CPU per request (ms) | ÷ Envoy's | added TTFT p50 (ms) | tokenize, turn 1 / last (ms) | prompt tokens, turn 1 / last |")
+    print("|---|---|---|---|---|---|---|")
+    for row in rows:
+        floor = next(r["cpu_ms"] for r in rows if r["api"] == row["api"] and r["relay"] == "envoy")
+        tokenize = f"{row['tokenize_first_ms']:.2f} / {row['tokenize_last_ms']:.2f}" if "tokenize_first_ms" in row else ""
+        tokens = f"{row['prompt_tokens'][0]} / {row['prompt_tokens'][1]}" if "prompt_tokens" in row else ""
+        print(f"| {row['api']} | {row['relay']} | {row['cpu_ms']:.2f} | {row['cpu_ms'] / floor:.1f}× | {row['added_ttft_ms']:.2f} | {tokenize} | {tokens} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

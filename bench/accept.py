@@ -8,19 +8,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from proxy.demo import free_port, serve_command, wait_healthy  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, process, request, simulator  # noqa: E402
 
-BODY = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":1}'
-REQUEST = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\nconnection: close\r\n"
-           b"content-length: %d\r\n\r\n%s" % (len(BODY), BODY))
+from proxy.demo import free_port, serve_command  # noqa: E402
+
+REQUEST = request("/v1/chat/completions", b'{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":1}', {"connection": "close"})
 
 
 async def rate(port: int, seconds: float, concurrency: int) -> float:
@@ -47,23 +47,16 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=16)
     args = parser.parse_args()
     sim_port = free_port()
-    sim = subprocess.Popen([sys.executable, "-m", "proxy", "simulate", "--port", str(sim_port)], cwd=ROOT, stderr=subprocess.DEVNULL)
-    proxies: dict[str, tuple[int, subprocess.Popen[bytes]]] = {}
-    try:
-        wait_healthy(f"http://127.0.0.1:{sim_port}/health", sim)
+    ports: dict[str, int] = {}
+    with simulator(sim_port), contextlib.ExitStack() as stack:
         for name, src in (("before", args.before), ("this checkout", str(ROOT))):
-            port = free_port()
-            proxies[name] = (port, subprocess.Popen(serve_command(src, "serve", "--upstream", f"http://127.0.0.1:{sim_port}/v1",
-                                                                  "--port", str(port), "--tokenize", "false")))
-            wait_healthy(f"http://127.0.0.1:{port}/healthz", proxies[name][1])
-        rates: dict[str, list[float]] = {name: [] for name in proxies}
+            ports[name] = free_port()
+            stack.enter_context(process(serve_command(src, "serve", "--upstream", f"http://127.0.0.1:{sim_port}/v1",
+                                                      "--port", str(ports[name]), "--tokenize", "false"), f"http://127.0.0.1:{ports[name]}/healthz"))
+        rates: dict[str, list[float]] = {name: [] for name in ports}
         for _ in range(args.rounds):
-            for name, (port, _) in proxies.items():
+            for name, port in ports.items():
                 rates[name].append(asyncio.run(rate(port, args.seconds, args.concurrency)))
-    finally:
-        for _, process in proxies.values():
-            process.terminate()
-        sim.terminate()
     print(f"command: .venv/bin/python bench/accept.py --before {args.before} --rounds {args.rounds} --seconds {args.seconds:g} "
           f"--concurrency {args.concurrency}")
     for name, values in rates.items():

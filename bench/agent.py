@@ -32,6 +32,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
+import common  # noqa: E402
 import compare  # noqa: E402
 
 from proxy.demo import free_port, serve_command  # noqa: E402
@@ -105,7 +106,7 @@ def one(client: httpx.Client, base: str, path: str, body: bytes) -> float:
 
 def children_cpu(pid: int) -> float:
     """CPU of the process and its children (the proxy's offload worker), from schedstat."""
-    total = compare.cpu_seconds(pid)
+    total = common.cpu_seconds(pid)
     for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
         with contextlib.suppress(OSError):
             total += children_cpu(int(child))
@@ -134,8 +135,8 @@ def main() -> int:
     commands["envoy"] = [compare.ENVOY, "-c", str(config), "--concurrency", "1", "--log-level", "error", "--disable-hot-restart"]
     rows = []
     with contextlib.ExitStack() as stack:
-        stack.enter_context(compare.process([sys.executable, "-m", "proxy", "simulate", "--port", str(sim_port)], f"{compare.SIM_URL}/health"))
-        pids = {name: stack.enter_context(compare.process(commands[name], f"http://127.0.0.1:{port}/{'health' if name == 'envoy' else 'healthz'}")).pid
+        stack.enter_context(common.simulator(sim_port))
+        pids = {name: stack.enter_context(common.process(commands[name], f"http://127.0.0.1:{port}/{'health' if name == 'envoy' else 'healthz'}")).pid
                 for name, port in ports.items()}
         client = stack.enter_context(httpx.Client(timeout=120))
         # Warm: a proxy's offload worker loads its BPE table at the first prompt it counts (about a

@@ -23,6 +23,9 @@ from google import genai
 from google.genai import types
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import simulator  # noqa: E402
+
 from proxy.demo import free_port, serve_command, started  # noqa: E402
 
 SCHEDULE = {"x-sim-ttft-ms": "200", "x-sim-decode-tps": "50"}
@@ -71,7 +74,7 @@ def main() -> int:
     sim_port, port = free_port(), free_port()
     sim, base = f"http://127.0.0.1:{sim_port}", f"http://127.0.0.1:{port}"
     records: dict[str, list[dict[str, Any]]] = {}
-    with started(["simulate", "--port", str(sim_port)], f"{sim}/health", quiet=True), \
+    with simulator(sim_port), \
          started([], f"{base}/healthz", command=serve_command(args.src, "serve", "--upstream", sim, "--port", str(port),
                                                               "--records-db", ""), quiet=True):
         apis = calls(base)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
 import compare  # noqa: E402
 
 from proxy.app import SETTINGS_ENV  # noqa: E402
@@ -36,7 +37,7 @@ def tree_cpu(pid: int) -> float:
                 continue
             if ppid == pid:
                 pids.add(int(d.name))
-    return sum(compare.cpu_seconds(p) for p in pids)
+    return sum(common.cpu_seconds(p) for p in pids)
 
 
 
@@ -44,7 +45,7 @@ def main() -> None:
     sim = free_port()
     compare.SIM_URL = f"http://127.0.0.1:{sim}"
     reps = int(os.environ.get('REPS', '2'))
-    with compare.process([sys.executable, "-m", "proxy", "simulate", "--port", str(sim)], f"{compare.SIM_URL}/health"):
+    with common.simulator(sim):
         for rep in range(reps):
             for server in ('uvicorn', 'granian'):
                 port = free_port()
@@ -55,17 +56,17 @@ def main() -> None:
                     env = {SETTINGS_ENV: settings.to_json()}
                     cmd = [GRANIAN, '--interface', 'asgi', '--factory', 'proxy.app:app_from_env', '--host', '127.0.0.1',
                            '--port', str(port), '--loop', 'uvloop', '--workers', '1', '--runtime-mode', 'st', '--no-ws', '--log-level', 'warning']
-                with compare.process(cmd, f"http://127.0.0.1:{port}/healthz", env) as proc:
+                with common.process(cmd, f"http://127.0.0.1:{port}/healthz", env) as proc:
                     compare.schedule(compare.SEQ_SCHEDULE)
                     seq = asyncio.run(compare.sequential((sim, "/v1"), (port, "/v1"), 40))
                     compare.schedule(compare.SWEEP_SCHEDULE)
-                    out = [f"{server:8s} seq added p50 {compare.pct(seq['added_ttft'], .5)*1e3:.3f} ms"]
+                    out = [f"{server:8s} seq added p50 {common.pct(seq['added_ttft'], .5)*1e3:.3f} ms"]
                     for streams in (1, 16, 64):
                         b = tree_cpu(proc.pid)
                         r = asyncio.run(compare.concurrent((port, "/v1"), streams, 4))
                         out.append(f"c{streams} {(tree_cpu(proc.pid) - b) / r['chunks'] * 1e6:.1f} us/chunk")
                     bursts = asyncio.run(compare.burst((port, "/v1"), 64, 4))
-                    out.append(f"burst p50 {compare.pct(bursts['ttft'], .5)*1e3:.1f} ms")
+                    out.append(f"burst p50 {common.pct(bursts['ttft'], .5)*1e3:.1f} ms")
                     print(' | '.join(out), flush=True)
 
 

@@ -25,9 +25,9 @@ from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
-from overhead import pct  # noqa: E402
+from common import Connection, pct, simulator  # noqa: E402
+
 from proxy.demo import free_port, serve_command, started  # noqa: E402
-from rawclient import Connection  # noqa: E402
 
 BODY = {"model": "sim-7b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
@@ -89,7 +89,7 @@ def main() -> int:
     if args.before:
         targets["proxy before"] = free_port()
     with contextlib.ExitStack() as stack:
-        stack.enter_context(started(["simulate", "--port", str(sim_port)], f"{sim}/health", quiet=True))
+        stack.enter_context(simulator(sim_port))
         for name, port in targets.items():
             if name != "direct":
                 src = os.path.abspath(args.before) if name == "proxy before" else here

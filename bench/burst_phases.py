@@ -14,6 +14,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
 import compare  # noqa: E402
 
 from proxy.demo import free_port, serve_command  # noqa: E402
@@ -28,12 +29,12 @@ def main() -> int:
     streams, rounds = 64, 6
     sim, port = free_port(), free_port()
     compare.SIM_URL = f"http://127.0.0.1:{sim}"
-    ms = lambda values, q: round(compare.pct(values, q) * 1000, 3)  # noqa: E731
-    with compare.process([sys.executable, "-m", "proxy", "simulate", "--port", str(sim)], f"{compare.SIM_URL}/health"):
+    ms = lambda values, q: round(common.pct(values, q) * 1000, 3)  # noqa: E731
+    with common.simulator(sim):
         compare.schedule(compare.SWEEP_SCHEDULE)
         direct = asyncio.run(compare.burst((sim, "/v1"), streams, rounds, fresh=fresh))
         cmd = serve_command(str(ROOT), "serve", "--upstream", f"{compare.SIM_URL}/v1", "--port", str(port), *extra)
-        with compare.process(cmd, f"http://127.0.0.1:{port}/healthz"):
+        with common.process(cmd, f"http://127.0.0.1:{port}/healthz"):
             asyncio.run(compare.burst((port, "/v1"), streams, 2, fresh=fresh))  # warm: the pool holds 64 connections
             proxied = asyncio.run(compare.burst((port, "/v1"), streams, rounds, fresh=fresh))
             records = httpx.get(f"http://127.0.0.1:{port}/llmproxy/requests", params={"limit": streams * rounds}).json()

@@ -20,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
 import compare  # noqa: E402
 
 from proxy.demo import free_port, serve_command  # noqa: E402
@@ -52,18 +53,18 @@ def main() -> int:
     levels = [(streams, style == "fresh") for style in args.styles for streams in args.streams]
     figures: dict[str, dict[tuple[int, bool], list[float]]] = {name: {level: [] for level in levels} for name in ports}
     with contextlib.ExitStack() as stack:
-        stack.enter_context(compare.process([sys.executable, "-m", "proxy", "simulate", "--port", str(sim_port)], f"{compare.SIM_URL}/health"))
+        stack.enter_context(common.simulator(sim_port))
         compare.schedule(compare.SWEEP_SCHEDULE)
-        pids = {name: stack.enter_context(compare.process(commands[name], health[name])).pid for name in ports}
+        pids = {name: stack.enter_context(common.process(commands[name], health[name])).pid for name in ports}
         for name in ports:  # warm each path
             asyncio.run(compare.concurrent((ports[name], "/v1"), 8, 1.0))
         for round_ in range(args.rounds):
             for streams, fresh in levels:
                 order = list(ports) if round_ % 2 == 0 else list(ports)[::-1]
                 for name in order:
-                    before = compare.cpu_seconds(pids[name])
+                    before = common.cpu_seconds(pids[name])
                     result = asyncio.run(compare.concurrent((ports[name], "/v1"), streams, args.seconds, fresh=fresh))
-                    figures[name][(streams, fresh)].append((compare.cpu_seconds(pids[name]) - before) / max(1, result["chunks"]) * 1e6)
+                    figures[name][(streams, fresh)].append((common.cpu_seconds(pids[name]) - before) / max(1, result["chunks"]) * 1e6)
             print(f"round {round_ + 1} of {args.rounds} done", flush=True)
     names = list(ports)
     print(f"\ncommand: ENVOY=.venv-envoy/bin/envoy .venv/bin/python bench/chunk_cpu.py {' '.join(sys.argv[1:])}; "

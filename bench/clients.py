@@ -23,8 +23,11 @@ from typing import Any, Awaitable, Callable
 import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import simulator  # noqa: E402
+
 from proxy.config import Settings  # noqa: E402
-from proxy.demo import free_port, started  # noqa: E402
+from proxy.demo import free_port  # noqa: E402
 from proxy.timing import RequestTiming, now_ns  # noqa: E402
 from proxy.upstream import Upstream  # noqa: E402
 
@@ -116,9 +119,8 @@ def main() -> int:
     parser.add_argument("--candidates", nargs="+", default=list(CANDIDATES))
     args = parser.parse_args()
     port = free_port()
-    sim = [sys.executable, "-m", "proxy", "simulate", "--port", str(port)]
     results: dict[tuple[str, int], list[float]] = {}
-    with started([], f"http://127.0.0.1:{port}/health", None, command=sim, quiet=True):
+    with simulator(port):
         import httpx
 
         httpx.post(f"http://127.0.0.1:{port}/sim/config", json={"ttft_ms": 0.0, "decode_tps": 200.0}).raise_for_status()

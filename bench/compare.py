@@ -32,9 +32,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rawclient import Connection  # noqa: E402
+from common import Connection, Sink, cpu_seconds, memory_mb, pct, process, simulator  # noqa: E402
 
-from proxy.demo import free_port, serve_command, started  # noqa: E402
+from proxy.demo import free_port, serve_command  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 LITELLM_PYTHON = os.environ.get("LITELLM_PYTHON", str(ROOT / ".venv-litellm" / "bin" / "python"))
@@ -56,73 +56,6 @@ SEQ_TOKENS, SWEEP_TOKENS = 20, 100
 
 def body(tokens: int, stream: bool = True) -> dict[str, Any]:
     return {"model": "sim-7b", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": tokens, "stream": stream}
-
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-SINK_CODE = """
-import sys
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-class Handler(BaseHTTPRequestHandler):
-    def do_POST(self):
-        self.rfile.read(int(self.headers["content-length"]))
-        self.send_response(200)
-        self.send_header("content-length", "0")
-        self.end_headers()
-
-    def do_GET(self):
-        self.send_response(200)
-        self.send_header("content-length", "0")
-        self.end_headers()
-
-    def log_message(self, *args):
-        pass
-
-ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
-"""
-
-
-class Sink:
-    """Accepts OTLP/HTTP exports and drops them, in its own process: in the load generator's
-    process its thread would compete for the GIL with the client that timestamps every chunk."""
-
-    def __init__(self) -> None:
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self._process = started([], f"{self.url}/", None, command=[sys.executable, "-c", SINK_CODE, str(port)], quiet=True)
-        self._process.__enter__()
-
-    def close(self) -> None:
-        self._process.__exit__(None, None, None)
-
-
-def cpu_seconds(pid: int) -> float:
-    """CPU time of every live thread of `pid` (the span exporter's included), in ns resolution."""
-    total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            total += int((task / "schedstat").read_text().split()[0])
-        except (OSError, IndexError, ValueError):
-            pass  # a thread that just ended
-    return total / 1e9
-
-
-def peak_rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def process(command: list[str], health: str, env: dict[str, str] | None = None,
-            headers: dict[str, str] | None = None) -> Any:
-    return started([], health, env, command=command, headers=headers, quiet=True)
 
 
 async def sequential(direct: tuple[int, str], system: tuple[int, str], pairs: int) -> dict[str, list[float]]:
@@ -271,7 +204,7 @@ def run_system(target: tuple[int, str], pid: int | None, direct: tuple[int, str]
     schedule({"ttft_ms": 0.0})
     rps = asyncio.run(non_streaming(target, args.seconds))
     schedule(SWEEP_SCHEDULE)
-    row = summarise(name, seq, sweep, direct_sweep, rps, direct_rps, cpu, peak_rss_mb(pid) if pid else None, bursts, direct_bursts[0])
+    row = summarise(name, seq, sweep, direct_sweep, rps, direct_rps, cpu, memory_mb(pid, "VmHWM") if pid else None, bursts, direct_bursts[0])
     ms = lambda v: round(v * 1000, 3)  # noqa: E731
     for streams, seconds_per_chunk in fresh_cpu.items():
         row[f"fresh_cpu_us_per_chunk_c{streams}"] = round(seconds_per_chunk * 1e6, 2)
@@ -319,7 +252,7 @@ def main() -> int:
 def run_all(args: argparse.Namespace, py: str, sim_port: int, direct: tuple[int, str], rows: list[dict[str, Any]], sink: Sink) -> int:
     global SIM_URL
     SIM_URL = f"http://127.0.0.1:{sim_port}"
-    with process([py, "-m", "proxy", "simulate", "--port", str(sim_port)], f"http://127.0.0.1:{sim_port}/health"):
+    with simulator(sim_port):
         print("[direct] sweep and non-streaming", flush=True)
         schedule(SWEEP_SCHEDULE)
         direct_sweep = {s: asyncio.run(concurrent(direct, s, args.seconds)) for s in args.sweep}

@@ -22,6 +22,9 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import memory_mb, pct, simulator  # noqa: E402
+
 from proxy.demo import free_port, serve_command, started  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,12 +32,6 @@ STEADY = {"model": "sim-7b", "messages": [{"role": "user", "content": "hi"}], "m
           "stream_options": {"include_usage": True}}
 STEADY_HEADERS = {"x-sim-ttft-ms": "20", "x-sim-decode-tps": "50"}
 ENDLESS_HEADERS = {"x-sim-endless-event-bytes": str(1024 * 1024), "x-sim-endless-every-ms": "20"}
-
-
-def memory_kb(pid: int) -> tuple[int, int]:
-    """(VmHWM, VmRSS) of a process, in kB."""
-    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
-    return int(fields["VmHWM"].split()[0]), int(fields["VmRSS"].split()[0])
 
 
 async def steady(client: httpx.AsyncClient, url: str) -> list[float]:
@@ -70,11 +67,6 @@ async def arm(url: str, hostile: bool) -> tuple[list[float], int]:
         return gaps, received[0]
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
@@ -85,9 +77,9 @@ def main() -> int:
     sim = f"http://127.0.0.1:{sim_port}"
     sources = {"this proxy": str(ROOT)} | ({"before": args.before} if args.before else {})
     results: dict[tuple[str, bool], list[tuple[list[float], int]]] = {}
-    memory: dict[str, tuple[int, int]] = {}
-    baseline: dict[str, int] = {}
-    with started(["simulate", "--port", str(sim_port)], f"{sim}/health", quiet=True):
+    memory: dict[str, float] = {}
+    baseline: dict[str, float] = {}
+    with simulator(sim_port):
         for name, src in sources.items():
             port = free_port()
             flags = ["serve", "--upstream", f"{sim}/v1", "--port", str(port), "--records-db", ""]
@@ -96,11 +88,11 @@ def main() -> int:
             with started([], f"http://127.0.0.1:{port}/healthz", command=serve_command(src, *flags), quiet=True) as process:
                 url = f"http://127.0.0.1:{port}/v1/chat/completions"
                 asyncio.run(arm(url, False))  # warm-up
-                baseline[name] = memory_kb(process.pid)[1]
+                baseline[name] = memory_mb(process.pid)
                 for _ in range(args.rounds):
                     for hostile in (False, True):
                         results.setdefault((name, hostile), []).append(asyncio.run(arm(url, hostile)))
-                memory[name] = memory_kb(process.pid)
+                memory[name] = memory_mb(process.pid, "VmHWM")
     print(f"steady stream: 200 tokens on a 20 ms grid; endless event: +1 MB every 20 ms; {args.rounds} interleaved rounds; "
           f"--max-event-bytes {args.max_event_bytes:,}")
     print("| proxy | beside an endless event | gap p50 ms | gap p99 ms | gap max ms | endless bytes relayed (median) | RSS after warm-up MB | peak RSS MB | peak - warm-up MB |")
@@ -108,9 +100,9 @@ def main() -> int:
     for (name, hostile), runs in results.items():
         gaps = [g for run, _ in runs for g in run]
         relayed = statistics.median(r for _, r in runs)
-        peak, warm = memory[name][0], baseline[name]
+        peak, warm = memory[name], baseline[name]
         print(f"| {name} | {'yes' if hostile else 'no'} | {pct(gaps, 0.5) * 1e3:.2f} | {pct(gaps, 0.99) * 1e3:.2f} | {max(gaps) * 1e3:.2f} | "
-              f"{relayed / 1e6:,.1f} MB | {warm / 1024:.0f} | {peak / 1024:.0f} | {(peak - warm) / 1024:.0f} |")
+              f"{relayed / 1e6:,.1f} MB | {warm:.0f} | {peak:.0f} | {peak - warm:.0f} |")
     return 0
 
 

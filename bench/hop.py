@@ -4,9 +4,9 @@ time (and its spread from run to run) is not in the figure.
     .venv/bin/python bench/hop.py                  # direct, Envoy, this proxy (defaults, + tracing)
     .venv/bin/python bench/hop.py --rounds 8 --burst 64
 
-The upstream is bench/stamps.py's: a raw HTTP server in its own process that notes when each
+The upstream is bench/common.py's instrumented one (bench/stamps.py's): a raw HTTP server in its own process that notes when each
 request arrived (its body read whole) and when it began writing the first content chunk
-(`time.monotonic_ns()`, one clock for every process). The client (bench/rawclient.py) notes when it
+(`time.monotonic_ns()`, one clock for every process). The client (bench/common.py's lean `Connection`) notes when it
 began (before the connect, on a new connection) and when the first content arrived. A request's
 hop time = (arrival at the upstream − client start) + (first content at the client − the
 upstream's write): the way there and the way back, without the upstream's TTFT. Direct is the floor
@@ -23,13 +23,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
 import compare  # noqa: E402
-import stamps  # noqa: E402
-from rawclient import Connection  # noqa: E402
+from common import Connection, pct, start_upstream  # noqa: E402
 
 from proxy.demo import free_port, serve_command  # noqa: E402
 
@@ -82,8 +81,8 @@ def main() -> int:
     args = parser.parse_args()
     upstream_port = free_port()
     log = Path(tempfile.mkdtemp()) / "writes.jsonl"
-    upstream = stamps.start_upstream(upstream_port, log, 3, 0.005, 0.030)
-    sink = compare.Sink()
+    upstream = start_upstream(upstream_port, log, 3, 0.005, 0.030)
+    sink = common.Sink()
     results: dict[str, dict[str, list[float]]] = {}
     try:
         for system in args.systems:
@@ -94,12 +93,12 @@ def main() -> int:
                 config = Path(tempfile.mkdtemp()) / "envoy.yaml"
                 config.write_text(compare.ENVOY_CONFIG.format(port=port, sim_port=upstream_port))
                 target = port
-                context = compare.process([compare.ENVOY, "-c", str(config), "--concurrency", "1", "--log-level", "error", "--disable-hot-restart"],
+                context = common.process([compare.ENVOY, "-c", str(config), "--concurrency", "1", "--log-level", "error", "--disable-hot-restart"],
                                           f"http://127.0.0.1:{port}/health")
             else:
                 target = port
                 cmd = serve_command(str(ROOT), "serve", "--upstream", f"http://127.0.0.1:{upstream_port}/v1", "--port", str(port))
-                context = compare.process(cmd, f"http://127.0.0.1:{port}/healthz",
+                context = common.process(cmd, f"http://127.0.0.1:{port}/healthz",
                                           {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.url} if system == "tracing" else {})
             if context is not None:
                 context.__enter__()
@@ -118,7 +117,6 @@ def main() -> int:
         sink.close()
         upstream.terminate()
         upstream.wait(timeout=10)
-    pct = compare.pct
     print("\n| system | shape | requests | hop p50 (ms) | hop p99 (ms) | added p50 / p99 (ms) | added ÷ Envoy's, p50 / p99 |\n|---|---|---|---|---|---|---|")
     for system, shapes in results.items():
         for shape, values in shapes.items():

@@ -19,6 +19,9 @@ import time
 import httpx
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+from common import pct, simulator, table  # noqa: E402
+
 from proxy.demo import free_port, serve_command, started  # noqa: E402
 
 TTFT_MS, DECODE_TPS, TOKENS = 20.0, 200.0, 20
@@ -37,11 +40,6 @@ def one(client: httpx.Client, url: str) -> tuple[float, float]:
     return ttft or float("nan"), time.perf_counter() - start
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--pairs", type=int, default=300)
@@ -52,7 +50,7 @@ def main() -> int:
     sim, proxy = f"http://127.0.0.1:{sim_port}", f"http://127.0.0.1:{proxy_port}"
     serve = ["serve", "--upstream", f"{sim}/v1", "--port", str(proxy_port), "--records", str(args.pairs + 10), *args.proxy_args]
     command = serve_command(args.src, *serve) if args.src else None
-    with started(["simulate", "--port", str(sim_port)], f"{sim}/health"), \
+    with simulator(sim_port), \
          started(serve, f"{proxy}/healthz", command=command), \
          httpx.Client(timeout=30) as direct_client, httpx.Client(timeout=30) as proxy_client:
         for _ in range(10):  # warm both paths: connections, tokenizer, first-call imports
@@ -72,13 +70,11 @@ def main() -> int:
     tps_err = [100 * (r["decode_tokens_per_second"] / DECODE_TPS - 1) for r in records]
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}; pairs: {args.pairs}")
     print(f"command: .venv/bin/python bench/overhead.py --pairs {args.pairs}{' --src ' + args.src if args.src else ''}\n")
-    print("| figure | p50 | p99 |\n|---|---|---|")
-    print(f"| client TTFT direct (ms) | {statistics.median(d[0] for d in direct) * 1000:.3f} | {pct([d[0] * 1000 for d in direct], 0.99):.3f} |")
-    print(f"| client TTFT via proxy (ms) | {statistics.median(v[0] for v in via) * 1000:.3f} | {pct([v[0] * 1000 for v in via], 0.99):.3f} |")
-    print(f"| added TTFT, paired (ms) | {statistics.median(added_ttft):.3f} | {pct(added_ttft, 0.99):.3f} |")
-    print(f"| added end-to-end, paired (ms) | {statistics.median(added_total):.3f} | {pct(added_total, 0.99):.3f} |")
-    print(f"| proxy-measured TTFT - injected {TTFT_MS:.0f} ms (ms) | {statistics.median(ttft_err):.3f} | {pct(ttft_err, 0.99):.3f} |")
-    print(f"| proxy-measured decode tok/s vs injected {DECODE_TPS:.0f} (%) | {statistics.median(tps_err):+.3f} | {pct(tps_err, 0.99):+.3f} |")
+    rows = [("client TTFT direct (ms)", [d[0] * 1000 for d in direct], ".3f"), ("client TTFT via proxy (ms)", [v[0] * 1000 for v in via], ".3f"),
+            ("added TTFT, paired (ms)", added_ttft, ".3f"), ("added end-to-end, paired (ms)", added_total, ".3f"),
+            (f"proxy-measured TTFT - injected {TTFT_MS:.0f} ms (ms)", ttft_err, ".3f"),
+            (f"proxy-measured decode tok/s vs injected {DECODE_TPS:.0f} (%)", tps_err, "+.3f")]
+    print(table(["figure", "p50", "p99"], [[name, f"{statistics.median(v):{form}}", f"{pct(v, 0.99):{form}}"] for name, v, form in rows]))
     print(f"\nrecords read: {len(records)}")
     return 0
 

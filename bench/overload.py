@@ -5,7 +5,7 @@ the saturation point vs without a cap, side by side in one run (arms interleaved
 
 Schedule (the simulator's own, as bench/compare.py's sweep): TTFT 20 ms, then 100 tokens at 100
 tok/s, so every stream should take 1.02 s. Added TTFT = the client's TTFT - the scheduled 20 ms.
-The load generator is bench/rawclient.py's raw HTTP client (it parses no JSON), one connection per
+The load generator is bench/common.py's lean raw HTTP client (it parses no JSON), one connection per
 stream. The client's TTFT includes the load generator's and the simulator's own CPU on the same 2
 cores; the proxy's own time per admitted request (its `proxy` phase, from its records) does not. The simulator shares the 2 cores, so a cap also spares it: in production the engine is on
 another machine, and what the cap spares there is the engine's own queue.
@@ -24,7 +24,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rawclient import CONTENT, END  # noqa: E402
+from common import CONTENT, END, pct, request, simulator  # noqa: E402
 
 from proxy.demo import free_port, started  # noqa: E402
 
@@ -38,8 +38,7 @@ async def one(port: int) -> tuple[int, float, float | None, float]:
     """(status, seconds to the status line, seconds to the first content chunk, seconds to the end)."""
     start = time.perf_counter()
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                 b"content-length: %d\r\n\r\n%s" % (len(BODY), BODY))
+    writer.write(request("/v1/chat/completions", BODY))
     status, head_s, first, tail = 0, 0.0, None, b""
     try:
         while data := await reader.read(65536):
@@ -56,11 +55,6 @@ async def one(port: int) -> tuple[int, float, float | None, float]:
     finally:
         writer.close()
     return status, head_s, first, time.perf_counter() - start
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
 async def burst(port: int, streams: int) -> list[tuple[int, float, float | None, float]]:
@@ -98,7 +92,7 @@ def main() -> int:
     arms: dict[str, tuple[list[tuple[int, float, float | None, float]], list[float]]] = {
         f"reference: {args.cap} streams, no overload": ([], []), f"{args.burst} streams, no cap": ([], []),
         f"{args.burst} streams, --max-in-flight {args.cap}": ([], [])}
-    with started(["simulate", "--port", str(sim_port), "--keep-alive-timeout", "3600"], f"{sim}/health", quiet=True), \
+    with simulator(sim_port, "--keep-alive-timeout", "3600"), \
          started([*serve, "--port", str(free)], f"http://127.0.0.1:{free}/healthz", quiet=True), \
          started([*serve, "--port", str(capped), "--max-in-flight", str(args.cap)], f"http://127.0.0.1:{capped}/healthz", quiet=True):
         httpx.post(f"{sim}/sim/config", json=SCHEDULE).raise_for_status()

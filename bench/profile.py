@@ -23,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
 import compare  # noqa: E402
 
 from proxy.demo import free_port, serve_command  # noqa: E402
@@ -85,20 +86,20 @@ def main() -> int:
     args = parser.parse_args(argv)
     sim_port, port = free_port(), free_port()
     compare.SIM_URL = f"http://127.0.0.1:{sim_port}"
-    sink = compare.Sink()
+    sink = common.Sink()
     raw = Path(tempfile.mkdtemp()) / "profile.txt"
     try:
-        with compare.process([sys.executable, "-m", "proxy", "simulate", "--port", str(sim_port)], f"{compare.SIM_URL}/health"):
+        with common.simulator(sim_port):
             compare.schedule(compare.SWEEP_SCHEDULE)
             cmd = serve_command(args.src, "serve", "--upstream", f"{compare.SIM_URL}/v1", "--port", str(port), *extra)
-            with compare.process(cmd, f"http://127.0.0.1:{port}/healthz", {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.url}) as proc:
+            with common.process(cmd, f"http://127.0.0.1:{port}/healthz", {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.url}) as proc:
                 asyncio.run(load((port, "/v1"), args.shape, args.streams, 2.0, args.fresh, args.tokens))  # warm
                 spy = subprocess.Popen([PY_SPY, "record", "--pid", str(proc.pid), "--rate", str(args.rate), "--format", "raw",
                                         "--output", str(raw), "--duration", str(int(args.seconds)), "--threads", *(["--native"] if args.native else ["--nonblocking"])],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                before = compare.cpu_seconds(proc.pid)
+                before = common.cpu_seconds(proc.pid)
                 done = asyncio.run(load((port, "/v1"), args.shape, args.streams, args.seconds, args.fresh, args.tokens))
-                cpu = compare.cpu_seconds(proc.pid) - before
+                cpu = common.cpu_seconds(proc.pid) - before
                 spy.wait(timeout=60)
         print(f"{args.shape}, {args.streams} streams, {'one connection per stream' if args.fresh else 'keep-alive'}: "
               f"{done} {'rounds' if args.shape == 'burst' else 'chunks'}, proxy CPU {cpu:.2f} s")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import common  # noqa: E402
 import compare  # noqa: E402
 
 from proxy.demo import free_port, serve_command  # noqa: E402
@@ -27,21 +28,21 @@ def main(rounds: int = 5, seconds: float = 5.0) -> int:
     arms = {"records off": ["--records-db", ""], "records on": ["--records-db", db]}
     ports = {name: free_port() for name in arms}
     figures: dict[str, dict[str, list[float]]] = {name: {"rps": [], "cpu_us": []} for name in arms}
-    with compare.process([sys.executable, "-m", "proxy", "simulate", "--port", str(sim_port)], f"{compare.SIM_URL}/health"):
+    with common.simulator(sim_port):
         commands = {name: serve_command(str(Path(__file__).resolve().parent.parent), "serve", "--upstream", f"{compare.SIM_URL}/v1",
                                         "--port", str(ports[name]), *flags) for name, flags in arms.items()}
-        with compare.process(commands["records off"], f"http://127.0.0.1:{ports['records off']}/healthz") as off, \
-                compare.process(commands["records on"], f"http://127.0.0.1:{ports['records on']}/healthz") as on:
+        with common.process(commands["records off"], f"http://127.0.0.1:{ports['records off']}/healthz") as off, \
+                common.process(commands["records on"], f"http://127.0.0.1:{ports['records on']}/healthz") as on:
             pids = {"records off": off.pid, "records on": on.pid}
             for name in arms:
                 asyncio.run(compare.non_streaming((ports[name], "/v1"), 1.0))
             for round_ in range(rounds):
                 for name in (list(arms) if round_ % 2 == 0 else list(arms)[::-1]):
-                    before = compare.cpu_seconds(pids[name])
+                    before = common.cpu_seconds(pids[name])
                     result = asyncio.run(compare.non_streaming((ports[name], "/v1"), seconds))
                     requests = result["rps"] * seconds
                     figures[name]["rps"].append(result["rps"])
-                    figures[name]["cpu_us"].append((compare.cpu_seconds(pids[name]) - before) / max(1.0, requests) * 1e6)
+                    figures[name]["cpu_us"].append((common.cpu_seconds(pids[name]) - before) / max(1.0, requests) * 1e6)
     print(f"command: .venv/bin/python bench/records_cost.py; {rounds} interleaved rounds of {seconds:g} s, medians")
     print("| | non-streaming req/s | proxy CPU µs per request |")
     print("|---|---|---|")

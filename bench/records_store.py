@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
+import common  # noqa: E402
 import compare  # noqa: E402
 from servers import Postgres  # noqa: E402
 from test_timing import streaming_record  # noqa: E402
@@ -154,19 +155,19 @@ def chunk_cpu(pg: Postgres, rounds: int = 4, seconds: float = 6.0, streams: int 
             "PostgreSQL": ["--records-db", pg.dsn, "--records-db-password-file", str(pg.password_file)]}
     ports = {name: free_port() for name in arms}
     figures: dict[str, list[float]] = {name: [] for name in arms}
-    with compare.process([sys.executable, "-m", "proxy", "simulate", "--port", str(sim_port)], f"{compare.SIM_URL}/health"):
+    with common.simulator(sim_port):
         commands = {name: serve_command(str(ROOT), "serve", "--upstream", f"{compare.SIM_URL}/v1", "--port", str(ports[name]), *flags)
                     for name, flags in arms.items()}
-        with compare.process(commands["SQLite"], f"http://127.0.0.1:{ports['SQLite']}/healthz") as lite, \
-                compare.process(commands["PostgreSQL"], f"http://127.0.0.1:{ports['PostgreSQL']}/healthz") as postgres:
+        with common.process(commands["SQLite"], f"http://127.0.0.1:{ports['SQLite']}/healthz") as lite, \
+                common.process(commands["PostgreSQL"], f"http://127.0.0.1:{ports['PostgreSQL']}/healthz") as postgres:
             pids = {"SQLite": lite.pid, "PostgreSQL": postgres.pid}
             for name in arms:
                 asyncio.run(compare.concurrent((ports[name], "/v1"), streams, 1.0))
             for round_ in range(rounds):
                 for name in (list(arms) if round_ % 2 == 0 else list(arms)[::-1]):
-                    before = compare.cpu_seconds(pids[name])
+                    before = common.cpu_seconds(pids[name])
                     result = asyncio.run(compare.concurrent((ports[name], "/v1"), streams, seconds))
-                    figures[name].append((compare.cpu_seconds(pids[name]) - before) / max(1, result["chunks"]) * 1e6)
+                    figures[name].append((common.cpu_seconds(pids[name]) - before) / max(1, result["chunks"]) * 1e6)
     return figures
 
 

@@ -19,7 +19,10 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from proxy.demo import free_port, serve_command, started  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import process, simulator  # noqa: E402
+
+from proxy.demo import free_port, serve_command  # noqa: E402
 
 FAST = {"x-sim-ttft-ms": "0", "x-sim-decode-tps": "10000"}
 
@@ -62,10 +65,9 @@ def main() -> int:
     parser.add_argument("proxy_args", nargs="*", help="extra flags for the proxy, after --")
     args = parser.parse_args()
     sim_port, port = free_port(), free_port()
-    sim = [sys.executable, "-m", "proxy", "simulate", "--port", str(sim_port)]
-    with started([], f"http://127.0.0.1:{sim_port}/health", None, command=sim, quiet=True):
+    with simulator(sim_port):
         command = serve_command(args.src, "serve", "--upstream", f"http://127.0.0.1:{sim_port}/v1", "--port", str(port), *args.proxy_args)
-        with started([], f"http://127.0.0.1:{port}/healthz", None, command=command, quiet=True):
+        with process(command, f"http://127.0.0.1:{port}/healthz"):
             base = f"http://127.0.0.1:{port}"
             sent = fill_to_the_cap(base)
             times, body = [], b""

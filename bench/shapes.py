@@ -18,6 +18,9 @@ import httpx
 import orjson
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+from common import simulator  # noqa: E402
+
 from proxy.demo import free_port, serve_command, started  # noqa: E402
 
 MSG = [{"role": "user", "content": "hello"}]
@@ -183,7 +186,7 @@ def main() -> int:
     sim_port = free_port()
     sim = f"http://127.0.0.1:{sim_port}"
     src = os.path.abspath(args.src)
-    with started(["simulate", "--port", str(sim_port)], f"{sim}/health", quiet=True):
+    with simulator(sim_port):
         print(f"proxy from {src}\n\n| shape | proxy reports | true |\n|---|---|---|")
         for shape, reported, truth in rows(src, sim):
             print(f"| {shape} | {reported} | {truth} |", flush=True)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 import socket
 import sys
 import time
@@ -22,14 +21,13 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from proxy.demo import free_port, serve_command, started  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import memory_mb, process, request, simulator, table  # noqa: E402
+
+from proxy.demo import free_port, serve_command  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def rss_mb(pid: int) -> float:
-    match = re.search(r"VmRSS:\s+(\d+)", Path(f"/proc/{pid}/status").read_text())
-    return int(match.group(1)) / 1024 if match else 0.0
+SCHEDULE = {"x-sim-ttft-ms": "10", "x-sim-decode-tps": "20", "x-sim-event-bytes": "65536"}  # 64 KB events at 20 tok/s
 
 
 def read_ahead(base: str) -> float:
@@ -44,9 +42,7 @@ async def slow_client(port: int, seconds: float, rate_bps: float) -> int:
     sock.setblocking(False)
     loop = asyncio.get_running_loop()
     await loop.sock_connect(sock, ("127.0.0.1", port))
-    await loop.sock_sendall(sock, b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                            b"x-sim-ttft-ms: 10\r\nx-sim-decode-tps: 20\r\nx-sim-event-bytes: 65536\r\n"
-                            b"content-length: %d\r\n\r\n%b" % (len(body), body))
+    await loop.sock_sendall(sock, request("/v1/chat/completions", body, SCHEDULE))
     got, began = 0, time.monotonic()
     while time.monotonic() - began < seconds:
         data = await loop.sock_recv(sock, 16384)
@@ -70,7 +66,7 @@ async def run(port: int, clients: int, seconds: float, pid: int, base: str) -> d
 
     scraper = asyncio.create_task(scrapes())
     while not all(task.done() for task in tasks):
-        peaks["rss"] = max(peaks["rss"], rss_mb(pid))
+        peaks["rss"] = max(peaks["rss"], memory_mb(pid))
         await asyncio.sleep(0.1)
     await scraper
     received = sum(task.result() for task in tasks)
@@ -84,22 +80,22 @@ def main() -> int:
     parser.add_argument("proxy_args", nargs="*")
     args = parser.parse_args()
     sim_port, port = free_port(), free_port()
-    with started([], f"http://127.0.0.1:{sim_port}/health", command=[sys.executable, "-m", "proxy", "simulate", "--port", str(sim_port)], quiet=True):
+    with simulator(sim_port):
         command = serve_command(str(ROOT), "serve", "--upstream", f"http://127.0.0.1:{sim_port}/v1", "--port", str(port), "--records-db", "",
                                 *args.proxy_args)
         base = f"http://127.0.0.1:{port}"
-        with started([], f"{base}/healthz", command=command, quiet=True) as proxy:
+        with process(command, f"{base}/healthz") as proxy:
             httpx.post(f"{base}/v1/chat/completions", json={"model": "sim-7b", "messages": [{"role": "user", "content": "x"}], "max_tokens": 5})
-            before = rss_mb(proxy.pid)
+            before = memory_mb(proxy.pid)
             result = asyncio.run(run(port, args.clients, args.seconds, proxy.pid, base))
             time.sleep(2.0)
-            after, ahead_after = rss_mb(proxy.pid), read_ahead(base)
+            after, ahead_after = memory_mb(proxy.pid), read_ahead(base)
     print(f"command: .venv/bin/python bench/slow_clients.py {' '.join(sys.argv[1:])}")
     print(f"{args.clients} slow clients for {args.seconds:g} s, {result['received_mb']:.0f} MB received in all")
-    print("| | RSS (MB) | read ahead (MB) |\n|---|---|---|")
-    print(f"| before | {before:.0f} | 0 |")
-    print(f"| peak | {result['peak_rss']:.0f} (+{result['peak_rss'] - before:.0f}) | {result['peak_ahead'] / 2**20:.0f} |")
-    print(f"| 2 s after the clients left | {after:.0f} | {ahead_after / 2**20:.0f} |")
+    print(table(["", "RSS (MB)", "read ahead (MB)"], [
+        ["before", f"{before:.0f}", 0],
+        ["peak", f"{result['peak_rss']:.0f} (+{result['peak_rss'] - before:.0f})", f"{result['peak_ahead'] / 2**20:.0f}"],
+        ["2 s after the clients left", f"{after:.0f}", f"{ahead_after / 2**20:.0f}"]]))
     return 0
 
 

@@ -28,10 +28,12 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import simulator  # noqa: E402
+
 from proxy.demo import free_port, started  # noqa: E402
 from proxy.load import Mix, run_load  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from burst import Peak  # noqa: E402
 from overload import burst as raw_burst  # noqa: E402
 
@@ -93,7 +95,7 @@ def soak(duration_s: float, concurrency: int, fault_share: float = 0.05, sample_
     report = SoakReport(duration_s, concurrency)
     sim_port, proxy_port = free_port(), free_port()
     sim, proxy = f"http://127.0.0.1:{sim_port}", f"http://127.0.0.1:{proxy_port}"
-    with started(["simulate", "--port", str(sim_port), "--decode-tps", "20", "--jitter", "0.1"], f"{sim}/health"), \
+    with simulator(sim_port, "--decode-tps", "20", "--jitter", "0.1"), \
          started(["serve", "--upstream", f"{sim}/v1", "--port", str(proxy_port), "--token-spans", "off"], f"{proxy}/healthz") as proc:
         start = time.monotonic()
         stop = threading.Event()

@@ -4,9 +4,10 @@
     .venv/bin/python bench/stamps.py --before /tmp/before  # the same for another checkout, side by side
     .venv/bin/python bench/stamps.py -- --token-spans off  # proxy flags after --
 
-The upstream is a raw HTTP server in its own process: per request an SSE role chunk, then
-`--chunks` content chunks `--gap-ms` apart, each noted with `time.monotonic_ns()` just before its
-`send` (and the request's arrival, its body read whole: bench/hop.py uses both). The proxy's stamps come from its own records (`received_unix_ns` and `content_offsets_ms`;
+The upstream is bench/common.py's instrumented one, a raw HTTP server in its own process: per
+request an SSE role chunk, then `--chunks` content chunks `--gap-ms` apart, each noted with
+`time.monotonic_ns()` just before its `send` (and the request's arrival, its body read whole:
+bench/hop.py uses both). The proxy's stamps come from its own records (`received_unix_ns` and `content_offsets_ms`;
 CLOCK_MONOTONIC is one clock for every process, the wall offset is read here). Each request has its
 own model name, so a record is matched to its upstream writes exactly. A stamp can only be late
 (the bytes exist once written): the delay is stamp − write, for the first content chunk (TTFT's
@@ -18,7 +19,6 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,70 +29,12 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import compare  # noqa: E402
-from rawclient import Connection  # noqa: E402
+import common  # noqa: E402
+from common import Connection, start_upstream  # noqa: E402
 
-from proxy.demo import free_port, serve_command, wait_healthy  # noqa: E402
+from proxy.demo import free_port, serve_command  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-
-UPSTREAM = r'''
-import json, socket, sys, threading, time
-port, log_path, chunks, gap, ttft = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5])
-log = open(log_path, "a", buffering=1)
-lock = threading.Lock()
-
-def chunk(data):
-    return b"%x\r\n%s\r\n" % (len(data), data)
-
-def serve(conn):
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    buf = b""
-    while True:
-        while b"\r\n\r\n" not in buf:
-            data = conn.recv(65536)
-            if not data:
-                return
-            buf += data
-        head, _, buf = buf.partition(b"\r\n\r\n")
-        length = next((int(l.split(b":")[1]) for l in head.split(b"\r\n") if l.lower().startswith(b"content-length:")), 0)
-        if not length:  # a health check (a relay's own, through it): no body
-            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
-            continue
-        while len(buf) < length:
-            buf += conn.recv(65536)
-        body, buf = json.loads(buf[:length]), buf[length:]
-        arrived = time.monotonic_ns()
-        model = body["model"]
-        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
-        conn.sendall(chunk(b'data: {"id":"x","object":"chat.completion.chunk","model":"%s","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n' % model.encode()))
-        time.sleep(ttft)
-        writes = []
-        for i in range(chunks):
-            event = chunk(b'data: {"id":"x","object":"chat.completion.chunk","model":"%s","choices":[{"index":0,"delta":{"content":"t%d"}}]}\n\n' % (model.encode(), i))
-            writes.append(time.monotonic_ns())
-            conn.sendall(event)
-            time.sleep(gap)
-        conn.sendall(chunk(b'data: {"id":"x","object":"chat.completion.chunk","model":"%s","choices":[{"index":0,"delta":{},"finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":%d,"total_tokens":%d}}\n\n' % (model.encode(), chunks, chunks + 3)))
-        conn.sendall(chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
-        with lock:
-            log.write(json.dumps({"model": model, "arrived": arrived, "writes": writes}) + "\n")
-
-server = socket.socket()
-server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-server.bind(("127.0.0.1", port))
-server.listen(512)
-while True:
-    conn, _ = server.accept()
-    threading.Thread(target=serve, args=(conn,), daemon=True).start()
-'''
-
-
-def start_upstream(port: int, log: Path, chunks: int, gap_s: float, ttft_s: float) -> subprocess.Popen[bytes]:
-    """The instrumented upstream in its own process, answering (its health check) when this returns."""
-    upstream = subprocess.Popen([sys.executable, "-c", UPSTREAM, str(port), str(log), str(chunks), str(gap_s), str(ttft_s)])
-    wait_healthy(f"http://127.0.0.1:{port}/health", upstream, timeout=10)
-    return upstream
 
 
 def wall_offset_ns() -> int:
@@ -141,7 +83,7 @@ def run_queue(pid: int) -> tuple[float, float]:
     return int(waited) / 1e9, int(ran) / 1e9
 
 
-def run(src: str, label: str, args: argparse.Namespace, extra: list[str], sink: compare.Sink) -> list[dict[str, Any]]:
+def run(src: str, label: str, args: argparse.Namespace, extra: list[str], sink: common.Sink) -> list[dict[str, Any]]:
     upstream_port, port = free_port(), free_port()
     log = Path(tempfile.mkdtemp()) / "writes.jsonl"
     upstream = start_upstream(upstream_port, log, args.chunks, args.gap_ms / 1000, args.ttft_ms / 1000)
@@ -150,7 +92,7 @@ def run(src: str, label: str, args: argparse.Namespace, extra: list[str], sink: 
         records_db = Path(tempfile.mkdtemp()) / "records.sqlite"
         cmd = serve_command(src, "serve", "--upstream", f"http://127.0.0.1:{upstream_port}/v1", "--port", str(port),
                             "--records-db", str(records_db), *extra)
-        with compare.process(cmd, f"http://127.0.0.1:{port}/healthz", {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.url}) as proc:
+        with common.process(cmd, f"http://127.0.0.1:{port}/healthz", {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.url}) as proc:
             asyncio.run(drive(port, 2, 3, "warm"))
             for streams in args.streams:
                 tag = f"s{streams}"
@@ -170,8 +112,8 @@ def run(src: str, label: str, args: argparse.Namespace, extra: list[str], sink: 
                     writes[entry["model"]] = entry["writes"]
                 first, later = delays(records, writes, wall_offset_ns())
                 rows.append({"system": label, "streams": streams, "requests": len(first),
-                             "first_p50_us": compare.pct(first, 0.5), "first_p99_us": compare.pct(first, 0.99), "first_max_us": max(first, default=float("nan")),
-                             "later_p50_us": compare.pct(later, 0.5), "later_p99_us": compare.pct(later, 0.99), "later_max_us": max(later, default=float("nan")),
+                             "first_p50_us": common.pct(first, 0.5), "first_p99_us": common.pct(first, 0.99), "first_max_us": max(first, default=float("nan")),
+                             "later_p50_us": common.pct(later, 0.5), "later_p99_us": common.pct(later, 0.99), "later_max_us": max(later, default=float("nan")),
                              # the event loop's thread: waiting for a CPU (runnable, not running), as a share of the run
                              "loop_runqueue_wait_pct": 100 * waited / elapsed, "loop_cpu_pct": 100 * ran / elapsed})
                 print(json.dumps(rows[-1]), flush=True)
@@ -194,7 +136,7 @@ def main() -> int:
     parser.add_argument("--before", default="", help="another checkout, run first, in the same run")
     parser.add_argument("--rounds", type=int, default=1, help="repeat, alternating the systems")
     args = parser.parse_args(argv)
-    sink = compare.Sink()
+    sink = common.Sink()
     rows = []
     try:
         for _ in range(args.rounds):

@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import common  # noqa: E402
 import compare  # noqa: E402
 
 import httpx  # noqa: E402
@@ -33,7 +34,7 @@ from proxy.demo import free_port, serve_command  # noqa: E402
 
 def tree_cpu_seconds(pid: int) -> float:
     """CPU of the process and its children (the offload workers that encode and send the spans)."""
-    total = compare.cpu_seconds(pid)
+    total = common.cpu_seconds(pid)
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             children = (task / "children").read_text().split()
@@ -52,11 +53,10 @@ def main() -> int:
     parser.add_argument("--modes", nargs="+", default=["metrics-only", "off", "offsets", "events", "spans"])
     args = parser.parse_args()
     sim_port = free_port()
-    sink = compare.Sink()
+    sink = common.Sink()
     compare.SIM_URL = f"http://127.0.0.1:{sim_port}"
-    sim = [sys.executable, "-m", "proxy", "simulate", "--port", str(sim_port)]
     figures: dict[str, dict[str, list[float]]] = {name: {} for name in args.modes}
-    with compare.process(sim, f"{compare.SIM_URL}/health"), contextlib.closing(sink):
+    with common.simulator(sim_port), contextlib.closing(sink):
         compare.schedule(compare.SWEEP_SCHEDULE)
         ports = {name: free_port() for name in args.modes}
         envs = {name: {} if name == "metrics-only" else {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.url} for name in args.modes}
@@ -64,7 +64,7 @@ def main() -> int:
                                         *([] if name == "metrics-only" else ["--token-spans", name]))
                     for name, port in ports.items()}
         with contextlib.ExitStack() as stack:
-            pids = {name: stack.enter_context(compare.process(commands[name], f"http://127.0.0.1:{ports[name]}/healthz", envs[name])).pid
+            pids = {name: stack.enter_context(common.process(commands[name], f"http://127.0.0.1:{ports[name]}/healthz", envs[name])).pid
                     for name in args.modes}
             for name, port in ports.items():  # warm every one
                 asyncio.run(compare.concurrent((port, "/v1"), args.streams, 1.0))
@@ -73,17 +73,17 @@ def main() -> int:
                 direct_burst = asyncio.run(compare.burst((sim_port, "/v1"), args.streams, 2))
                 order = list(ports)[round_ % len(ports):] + list(ports)[:round_ % len(ports)]  # rotated per round
                 for name in order:
-                    before, before_tree = compare.cpu_seconds(pids[name]), tree_cpu_seconds(pids[name])
+                    before, before_tree = common.cpu_seconds(pids[name]), tree_cpu_seconds(pids[name])
                     loop = asyncio.run(compare.concurrent((ports[name], "/v1"), args.streams, args.seconds))
                     time.sleep(0.5)  # the last spans reach the export worker
-                    cpu = (compare.cpu_seconds(pids[name]) - before) / max(1, loop["chunks"])
+                    cpu = (common.cpu_seconds(pids[name]) - before) / max(1, loop["chunks"])
                     cpu_tree = (tree_cpu_seconds(pids[name]) - before_tree) / max(1, loop["chunks"])
                     bursts = asyncio.run(compare.burst((ports[name], "/v1"), args.streams, 2))
                     f = figures[name]
-                    f.setdefault("added TTFT p50, closed loop (ms)", []).append(1000 * (compare.pct(loop["ttft"], 0.5) - compare.pct(direct["ttft"], 0.5)))
-                    f.setdefault("added TTFT p99, closed loop (ms)", []).append(1000 * (compare.pct(loop["ttft"], 0.99) - compare.pct(direct["ttft"], 0.99)))
-                    f.setdefault("added TTFT p50, bursts (ms)", []).append(1000 * (compare.pct(bursts["ttft"], 0.5) - compare.pct(direct_burst["ttft"], 0.5)))
-                    f.setdefault("added TTFT p99, bursts (ms)", []).append(1000 * (compare.pct(bursts["ttft"], 0.99) - compare.pct(direct_burst["ttft"], 0.99)))
+                    f.setdefault("added TTFT p50, closed loop (ms)", []).append(1000 * (common.pct(loop["ttft"], 0.5) - common.pct(direct["ttft"], 0.5)))
+                    f.setdefault("added TTFT p99, closed loop (ms)", []).append(1000 * (common.pct(loop["ttft"], 0.99) - common.pct(direct["ttft"], 0.99)))
+                    f.setdefault("added TTFT p50, bursts (ms)", []).append(1000 * (common.pct(bursts["ttft"], 0.5) - common.pct(direct_burst["ttft"], 0.5)))
+                    f.setdefault("added TTFT p99, bursts (ms)", []).append(1000 * (common.pct(bursts["ttft"], 0.99) - common.pct(direct_burst["ttft"], 0.99)))
                     f.setdefault("proxy CPU per chunk (µs)", []).append(cpu * 1e6)
                     f.setdefault("with its export worker (µs)", []).append(cpu_tree * 1e6)
                     records = httpx.get(f"http://127.0.0.1:{ports[name]}/llmproxy/requests", params={"limit": 200}).json()

@@ -17,6 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import common  # noqa: E402
 import compare  # noqa: E402
 
 from proxy.demo import free_port  # noqa: E402
@@ -31,14 +32,14 @@ def main() -> int:
     sim_port = free_port()
     compare.SIM_URL = f"http://127.0.0.1:{sim_port}"
     rates: dict[int, list[float]] = {1: [], 2: []}
-    with compare.process([sys.executable, "-m", "proxy", "simulate", "--port", str(sim_port)], f"{compare.SIM_URL}/health"):
+    with common.simulator(sim_port):
         compare.schedule(compare.SWEEP_SCHEDULE)
         for round_ in range(args.rounds):
             for workers in ((1, 2) if round_ % 2 == 0 else (2, 1)):
                 port = free_port()
                 command = [sys.executable, "-m", "proxy", "serve", "--upstream", f"{compare.SIM_URL}/v1", "--port", str(port),
                            "--workers", str(workers), "--records-db", ""]
-                with compare.process(command, f"http://127.0.0.1:{port}/healthz"):
+                with common.process(command, f"http://127.0.0.1:{port}/healthz"):
                     asyncio.run(compare.concurrent((port, "/v1"), 32, 1.0))  # warm every worker
                     result = asyncio.run(compare.concurrent((port, "/v1"), args.streams, args.seconds))
                     rates[workers].append(result["chunks"] / result["seconds"])

@@ -2,7 +2,7 @@
 
 Every `serve` flag `--some-flag` is also read from `LLMPROXY_SOME_FLAG`; a flag given on the
 command line wins over the environment, which wins over the default. The table `OPTIONS` is the
-single definition the CLI, the README and the tests read.
+single definition the CLI, the reference (docs/configuration.md) and the tests read.
 """
 from __future__ import annotations
 

@@ -16,15 +16,11 @@ Fits are Theil–Sen (the median of pairwise slopes): a few stalled requests do 
 from __future__ import annotations
 
 import collections
-
 import json
 import random
 import statistics
-import time
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable
-
-import orjson
 
 from . import budget
 from .slo import Objective

@@ -1,6 +1,6 @@
 """Prometheus metrics: each defined once in METRICS, observed once per finished request.
 
-The table below is the contract that the README, the dashboards and the alert rules are checked
+The table below is the contract that the reference (docs/metrics.md), the dashboards and the alert rules are checked
 against. `ProxyMetrics` takes a registry (tests build a fresh one) and binds label children once
 per label set, so observing a request does no label validation.
 """

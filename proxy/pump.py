@@ -18,15 +18,25 @@ The order is kept: the fast way is taken only when nothing is read ahead and no 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
 
 from .timing import now_ns
 
 if TYPE_CHECKING:
     from .connection import Connection
     from .reader import Reader
-    from .server import BodyWriter
     from .timing import RequestTiming
+
+
+class BodyWriter(Protocol):
+    """What the server's protocol offers the fast way (server.BodyWriter, in the stamps)."""
+
+    @property
+    def chunked(self) -> bool: ...
+
+    def ready(self) -> bool: ...
+
+    def write(self, body: bytes) -> None: ...
 
 NON_STREAM_BODY_LIMIT = 16 * 1024 * 1024  # bytes kept for reading usage from a JSON body
 

@@ -27,11 +27,10 @@ from .engine import from_llamacpp, from_tgi, from_vllm
 from .errors import ModelNotRouted, ProxyError, ProxyOverloaded, TransportError, UpstreamTimeout, map_transport_error
 from .reader import Reader
 from .request import ClientGone, check_request, filter_headers, header, read_body
-from .server import STAMPS
 from .framing import framer
 from .pump import Pump
 from .telemetry import RequestContext
-from .timing import RequestTiming, now_ns
+from .timing import STAMPS, RequestTiming, now_ns
 
 if TYPE_CHECKING:
     from .admission import Admission

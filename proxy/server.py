@@ -23,13 +23,9 @@ from typing import Any
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from .config import Settings
-from .timing import now_ns
+from .timing import STAMPS, now_ns
 
 HEADER_TIMEOUT_ENV = "LLMPROXY_HEADER_TIMEOUT"
-# scope["extensions"][STAMPS] = {"first_byte_ns": ..., "body_end_ns": ... or 0, "blocked": [(paused_ns, resumed_ns), ...],
-# "paused_ns": ... or 0} (monotonic): the request's first and last byte read, and when the client's connection stopped
-# taking bytes (its write buffer over the high-water mark: a slow reader) and took them again.
-STAMPS = "llmproxy.stamps"
 MAX_BLOCKED = 64  # pause intervals kept per request (later ones are merged into the last)
 log = logging.getLogger("llmproxy.server")
 

@@ -2,7 +2,7 @@
 
 Instants are monotonic integer nanoseconds (`*_ns`, from `time.monotonic_ns`); durations are float
 seconds (`*_s`). The relay only stores instants and counts; `split()` turns them into durations
-exactly once, when the request ends, whatever the ending. Definitions (the README quotes them):
+exactly once, when the request ends, whatever the ending. Definitions (docs/definitions.md quotes them):
 
 - ttft = first content chunk of any choice - request received by the proxy.
 - Each choice (`choices[].index`) is its own sequence. Per choice: decode tokens = the tokens in
@@ -40,6 +40,12 @@ from typing import Literal
 from .engine import EngineTimings, refine
 
 now_ns = time.monotonic_ns
+# What the server's protocol (server.py) stamps where the bytes are read, for the relay, in the ASGI
+# scope: scope["extensions"][STAMPS] = {"first_byte_ns", "body_end_ns" (0 until read), "blocked":
+# [(paused_ns, resumed_ns), ...] and "paused_ns" (0 unless now) when the client's connection stopped
+# taking bytes (its write buffer over the high-water mark: a slow reader) and took them again,
+# "writer": the body writer of the relay's fast way (pump.py)}; monotonic instants. Here, below both.
+STAMPS = "llmproxy.stamps"
 
 NS = 1_000_000_000
 Outcome = Literal["ok", "upstream_error", "client_disconnect", "client_slow", "timeout", "proxy_error", "overloaded"]

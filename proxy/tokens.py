@@ -16,7 +16,6 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import orjson
 import tiktoken
 from tiktoken.model import encoding_name_for_model
 

@@ -191,3 +191,12 @@ def test_the_collector_tail_samples_the_slow_and_the_failed():
     tracing_source = (ROOT / "proxy" / "tracing.py").read_text()
     assert f'"{ttft["key"]}"' in tracing_source  # an attribute the proxy really sets
     assert policies["latency"]["latency"]["threshold_ms"] > 0 and 0 < policies["probabilistic"]["probabilistic"]["sampling_percentage"] < 100
+
+
+def test_the_package_list_names_every_subpackage():
+    """`pip install .` (the Dockerfile's) ships only the packages pyproject.toml lists: each one must be there."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(path.parent.relative_to(ROOT).parts) for path in (ROOT / "proxy").rglob("__init__.py")}
+    assert listed == found, found ^ listed

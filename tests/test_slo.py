@@ -2,7 +2,6 @@
 records, then on real sockets from traffic whose cause of each miss is built in."""
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 

@@ -14,7 +14,8 @@ from uvicorn.config import Config
 from uvicorn.server import ServerState
 
 from proxy.connection import Connection
-from proxy.server import STAMPS, GuardedHttpTools
+from proxy.server import GuardedHttpTools
+from proxy.timing import STAMPS
 from proxy.timing import now_ns
 
 HOLD_S = 0.030

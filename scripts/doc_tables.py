@@ -1,7 +1,7 @@
-"""Writes the README's flag, metric and OTLP instrument tables from their one definition in the code.
+"""Writes the reference's flag, metric and OTLP instrument tables from their one definition in the code.
 
-    .venv/bin/python scripts/readme_tables.py          # rewrite the tables in README.md
-    (tests/test_docs.py fails when the README differs from what this would write)
+    .venv/bin/python scripts/doc_tables.py          # rewrite the tables in docs/configuration.md and docs/metrics.md
+    (tests/test_docs.py fails when a page differs from what this would write)
 """
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from proxy.config import OPTIONS  # noqa: E402
 from proxy.meters import INSTRUMENTS  # noqa: E402
 from proxy.metrics import METRICS  # noqa: E402
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+PAGES = (DOCS / "configuration.md", DOCS / "metrics.md")  # (each page holds the tables it has markers for)
 
 
 def flags_table() -> str:
@@ -39,5 +40,6 @@ def render(text: str) -> str:
 
 
 if __name__ == "__main__":
-    README.write_text(render(README.read_text()))
-    print(f"wrote the tables in {README}")
+    for page in PAGES:
+        page.write_text(render(page.read_text()))
+        print(f"wrote the tables in {page}")

@@ -82,6 +82,7 @@ bench: $(STAMP) $(LITELLM_VENV)/.installed $(ENVOY_VENV)/.installed
 	ENVOY=$(ENVOY_VENV)/bin/envoy $(PY) bench/hop.py
 	ENVOY=$(ENVOY_VENV)/bin/envoy $(PY) bench/chunk_cpu.py $(if $(BEFORE),--before $(BEFORE))
 	$(PY) bench/slow_clients.py
+	$(PY) bench/gc_pauses.py $(if $(BEFORE),--before $(BEFORE))
 	ENVOY=$(ENVOY_VENV)/bin/envoy $(PY) bench/agent.py $(if $(BEFORE),--before $(BEFORE))
 	$(PY) bench/asgi_servers.py
 	$(PY) bench/clients.py

@@ -6,6 +6,7 @@ but the proxy's own endpoints (`/metrics`, `/healthz`, `/ui`, `/llmproxy/*`), a 
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import hmac
 import logging
@@ -156,6 +157,11 @@ class ProxyApp:
         if tokenizer is not None:  # load the BPE tables before the first request needs them
             tokenizer.preload()
         self.offload.start_worker()
+        # What start-up made (some 60,000 objects: the libraries' modules, the app) lives as long as the
+        # process: frozen, it is never walked again, and a full collection, which stalls every stream
+        # on this loop, walks only what serving made (50-60 ms less per full collection here).
+        gc.collect()
+        gc.freeze()
         try:
             yield
         finally:

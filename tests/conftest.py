@@ -1,6 +1,7 @@
 """Fixtures: one simulator process per session, proxies in this process on real sockets."""
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import tempfile
@@ -45,3 +46,14 @@ def proxy_factory(sim: Simulator) -> Iterator[Any]:
 @pytest.fixture
 def proxy(proxy_factory: Any) -> ProxyServer:
     return proxy_factory()
+
+
+@pytest.fixture(autouse=True)
+def _frozen_heap() -> None:
+    """Before each test, what the earlier tests left alive (the SDKs' thousands of modules and
+    models, session fixtures) is collected once and frozen: the proxies under test run in this
+    process, and a full collection over that heap stalls their event loop for 250-330 ms here,
+    which a timing test would read as the proxy's own time (a proxy process freezes its start-up
+    heap the same way: server.py). Each collection then walks only what the running test made."""
+    gc.collect()
+    gc.freeze()

@@ -59,9 +59,11 @@ def test_visible_thoughts_hidden_thoughts_and_the_array_stream(proxy_factory, si
     body = {"contents": [{"role": "user", "parts": [{"text": "hi"}]}], "generationConfig": {"maxOutputTokens": 21}}
     with httpx.stream("POST", f"{proxy.url}/v1beta/models/gemini-sim:streamGenerateContent", json=body, headers=SCHEDULE, timeout=30) as r:
         raw = b"".join(r.iter_raw())
+    delivered = sim.delivered()  # (TTFT 200 ms as scheduled, as the simulator really wrote it)
     assert raw.startswith(b"[{") and raw.endswith(b"]") and len(orjson.loads(raw)) == 21
     record = proxy.last_record()
-    assert record["ttft_s"] == pytest.approx(0.200, abs=0.010) and record["content_chunks"] == 21 and record["completion_tokens"] == 21
+    assert delivered.ttft_s == pytest.approx(0.200, abs=0.050)  # (the schedule was applied)
+    assert delivered.holds_ttft(record) and record["content_chunks"] == 21 and record["completion_tokens"] == 21
 
 
 # Recorded shapes, as Gemini sends them (SSE frames end in \r\n\r\n; the array's elements are

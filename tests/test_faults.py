@@ -121,19 +121,35 @@ def test_malformed_sse_is_relayed_unchanged_and_counted(sim, proxy):
     assert record["malformed_chunks"] == 1 and record["outcome"] == "ok"
 
 
+def kernel_buffer_bytes() -> int:
+    """The most the kernel may buffer between the simulator and a client that reads nothing: each TCP
+    socket's autotuned send and receive buffers at their maxima (the simulator's and the proxy's
+    sending sides, the proxy's upstream receiving side; the client's is set to 64 KiB below)."""
+    wmem = int(Path("/proc/sys/net/ipv4/tcp_wmem").read_text().split()[2])
+    rmem = int(Path("/proc/sys/net/ipv4/tcp_rmem").read_text().split()[2])
+    return 2 * wmem + rmem + 2 * 65536
+
+
 def test_a_slow_reader_gets_backpressure_not_unbounded_buffering(sim, proxy):
-    """The client stops reading: the proxy must stop reading upstream too, so the simulator blocks."""
+    """The client stops reading: the proxy stops reading upstream too once its read-ahead is full, so
+    the simulator blocks, with no more in between than the read-ahead and the kernel's buffers."""
     before = sim.stats()["tokens_sent"]
-    total = 4000  # 4000 tokens x ~10 KB: 40 MB, far more than the socket buffers in between
+    token_bytes = 10000
+    bound = proxy.settings.stream_buffer_bytes + 256 * 1024 + kernel_buffer_bytes()  # (read-ahead: exceeded by one socket read)
+    total = 2 * bound // token_bytes  # twice what could be in between: the simulator must block half-way at the latest
     payload = httpx.Request("POST", f"{proxy.v1}/chat/completions", json=chat(total),
-                            headers={"x-sim-token-bytes": "10000", "x-sim-decode-tps": "100000", "x-sim-ttft-ms": "0"})
+                            headers={"x-sim-token-bytes": str(token_bytes), "x-sim-decode-tps": "100000", "x-sim-ttft-ms": "0"})
     with socket.create_connection(("127.0.0.1", proxy.port)) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
         head = "".join(f"{k}: {v}\r\n" for k, v in payload.headers.items())
         sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\n{head}\r\n".encode() + payload.read())
         time.sleep(1.5)  # read nothing
         stalled = sim.stats()["tokens_sent"] - before
-        assert stalled < total // 2, f"the simulator sent {stalled} tokens while the client read nothing"
+        read_ahead = proxy.app.router.budget.used
+        time.sleep(0.5)
+        assert sim.stats()["tokens_sent"] - before == stalled, "the simulator kept sending while the client read nothing"
+        assert stalled * token_bytes <= bound, f"the simulator sent {stalled} tokens while the client read nothing"
+        assert 0 < read_ahead <= proxy.settings.stream_buffer_bytes + 256 * 1024
         received = 0
         sock.settimeout(10)
         while chunk := sock.recv(1 << 20):
@@ -141,7 +157,7 @@ def test_a_slow_reader_gets_backpressure_not_unbounded_buffering(sim, proxy):
             if chunk.endswith(b"0\r\n\r\n"):
                 break
     assert sim.stats()["tokens_sent"] - before == total
-    assert received > total * 10000
+    assert received > total * token_bytes
     assert proxy.last_record()["outcome"] == "ok"
 
 

@@ -15,6 +15,12 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-
                  "--disable-component-update", "--disable-sync"]
 
 
+def hold_still(page) -> None:
+    """Stop the page's live redraw (every 2 s; a filter's change still redraws): handles taken across
+    a redraw are detached from the page, and a check would fail on the test, not on the page."""
+    page.uncheck("#live")
+
+
 def test_the_waterfall_matches_the_records(proxy_factory, tmp_path):
     from playwright.sync_api import sync_playwright
 
@@ -40,6 +46,7 @@ def test_the_waterfall_matches_the_records(proxy_factory, tmp_path):
             page = browser.new_page(viewport={"width": 1300, "height": 700})
             page.goto(f"{proxy.url}/ui")
             page.wait_for_selector("body[data-loaded=true]")
+            hold_still(page)
             px_per_s = float(page.get_attribute("#rows", "data-px-per-s") or 0)
             rows = page.query_selector_all(".row")
             assert len(rows) == len(records) and px_per_s > 0
@@ -62,8 +69,9 @@ def test_the_waterfall_matches_the_records(proxy_factory, tmp_path):
             page.select_option("#api", "anthropic")  # one API alone: the Anthropic request, its 9 ticks
             page.wait_for_function("document.querySelectorAll('.row').length === 1")
             assert "anthropic messages" in page.inner_text(".row .label")
-            page.query_selector(".row").click()
+            page.locator(".row").first.click()
             page.wait_for_function("document.querySelectorAll('#detail .tick').length === 9")
+            page.check("#live")  # (live again: the browser's own request below must come in)
             page.select_option("#api", "")
             everything = len(proxy.records())  # (by now also the browser's own GET /favicon.ico: relayed like any path)
             page.wait_for_function(f"document.querySelectorAll('.row').length === {everything}")
@@ -83,9 +91,10 @@ def test_the_waterfall_matches_the_records(proxy_factory, tmp_path):
             page.goto(f"{proxy.url}/ui?slo=chat&verdict=miss")
             page.wait_for_selector("body[data-loaded=true]")
             page.wait_for_function("document.querySelectorAll('.row.missed').length === 2")
+            hold_still(page)
             assert len(page.query_selector_all(".row")) == 2 and page.input_value("#verdict") == "miss"
             assert [m.inner_text() for m in page.query_selector_all(".row .miss")] == ["✗ error: upstream_error", "✗ ttft: prefill"]
-            page.locator(".row").nth(1).click()  # (a locator: the page redraws its rows every 2 s)
+            page.locator(".row").nth(1).click()
             page.wait_for_function("document.querySelector('#detail').innerText.includes('chat: missed ttft: prefill')")
             page.select_option("#verdict", "good")
             page.wait_for_function("document.querySelectorAll('.row').length > 0 && document.querySelectorAll('.row.missed').length === 0")

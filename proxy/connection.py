@@ -244,6 +244,11 @@ class Connection(asyncio.Protocol):
         return self.transport is not None and (self._buffered == 0 or (self._buffered < budget.per_stream // 4 and budget.used <= budget.total))
 
     @property
+    def backlog(self) -> bool:
+        """Pieces are read ahead, waiting for the relay (a slow client)."""
+        return bool(self._body)
+
+    @property
     def held_s(self) -> float:
         """Seconds reading was paused for a slow client during this response (a pause still on counts to now)."""
         return (self.held_ns + (now_ns() - self._held_at if self._paused else 0)) / 1e9

@@ -11,7 +11,9 @@ limit is moved at most once per sixteenth of itself. Two ways, one set of steps:
   send would), with no task switch and no ASGI send per piece;
 - `run`, the task's loop: a piece that found the client not taking bytes (its write buffer over the
   high-water mark: a slow reader), or the pieces read ahead behind it (the read-ahead, connection.py),
-  go through the ASGI send, which waits for the client's flow control. It also ends the response.
+  go through the ASGI send, which waits for the client's flow control; between pieces read ahead it
+  lets the loop run, so that a backlog drained at once never holds up the reading (and stamping) of
+  every stream. It also ends the response.
 
 The order is kept: the fast way is taken only when nothing is read ahead and no send is under way.
 """
@@ -125,6 +127,11 @@ class Pump:
                 self.sending = False
                 if not decoding and t.content_ns:
                     self._first_token(sent)
+                if response.backlog:
+                    # Read ahead: the next piece is there without a wait, and a client that just took a
+                    # few MB at once would have the whole backlog relayed in one go (tens of ms of
+                    # events read and rewritten) while no socket is read: every stream's next stamp late.
+                    await asyncio.sleep(0)
         finally:
             response.fast = None
         t.upstream_end_ns = now = response.read_ns or now_ns()

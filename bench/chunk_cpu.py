@@ -2,7 +2,10 @@
 by side: interleaved rounds at 1, 16 and 64 streams in both client styles (keep-alive, and one
 connection per stream), the simulator at compare.py's schedule (TTFT 20 ms, 100 tok/s, 100 tokens).
 
-    ENVOY=.venv-envoy/bin/envoy .venv/bin/python bench/chunk_cpu.py [--before DIR] [--rounds 3] [--seconds 5] [-- proxy flags]
+    ENVOY=.venv-envoy/bin/envoy .venv/bin/python bench/chunk_cpu.py [--before DIR] [--also NAME=DIR ...] [--rounds 3] [--seconds 5] [-- proxy flags]
+
+`--also NAME=DIR` adds more checkouts under their own names (e.g. `interpreted=/tmp/pure`, a copy of
+this tree without its compiled modules: the mypyc build's share, beside the rest of a change's).
 
 CPU is every thread of each relay's process (/proc/PID/task/*/schedstat), per chunk the client
 received; the per-request work (finish, records, metrics) is in it, as in compare.py. The table
@@ -31,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--before", default="", help="another checkout to run beside this one (a git worktree)")
+    parser.add_argument("--also", action="append", default=[], metavar="NAME=DIR", help="more checkouts, each under its name")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 16, 64])
@@ -39,13 +43,14 @@ def main() -> int:
     args = parser.parse_args()
     sim_port = free_port()
     compare.SIM_URL = f"http://127.0.0.1:{sim_port}"
-    ports = {"envoy": free_port(), "this proxy": free_port()}
-    commands = {"this proxy": serve_command(str(ROOT), "serve", "--upstream", f"{compare.SIM_URL}/v1", "--port", str(ports["this proxy"]),
-                                            "--records-db", str(Path(tempfile.mkdtemp()) / "r.sqlite"), *args.proxy_args)}
-    if args.before:
-        ports["before"] = free_port()
-        commands["before"] = serve_command(args.before, "serve", "--upstream", f"{compare.SIM_URL}/v1", "--port", str(ports["before"]),
-                                           "--records-db", str(Path(tempfile.mkdtemp()) / "r.sqlite"), *args.proxy_args)
+    ports = {"envoy": free_port()}
+    commands: dict[str, list[str]] = {}
+    checkouts = [("this proxy", str(ROOT))] + ([("before", args.before)] if args.before else [])
+    checkouts += [(name, src) for name, _, src in (also.partition("=") for also in args.also)]
+    for name, src in checkouts:
+        ports[name] = free_port()
+        commands[name] = serve_command(src, "serve", "--upstream", f"{compare.SIM_URL}/v1", "--port", str(ports[name]),
+                                       "--records-db", str(Path(tempfile.mkdtemp()) / "r.sqlite"), *args.proxy_args)
     config = Path(tempfile.mkdtemp()) / "envoy.yaml"
     config.write_text(compare.ENVOY_CONFIG.format(port=ports["envoy"], sim_port=sim_port))
     commands["envoy"] = [compare.ENVOY, "-c", str(config), "--concurrency", "1", "--log-level", "error", "--disable-hot-restart"]
@@ -65,7 +70,9 @@ def main() -> int:
                     before = common.cpu_seconds(pids[name])
                     result = asyncio.run(compare.concurrent((ports[name], "/v1"), streams, args.seconds, fresh=fresh))
                     figures[name][(streams, fresh)].append((common.cpu_seconds(pids[name]) - before) / max(1, result["chunks"]) * 1e6)
-            print(f"round {round_ + 1} of {args.rounds} done", flush=True)
+            print(f"round {round_ + 1} of {args.rounds}: " + "; ".join(
+                f"{streams}{'f' if fresh else 'k'} " + " ".join(f"{figures[name][(streams, fresh)][-1]:.1f}" for name in ports)
+                for streams, fresh in levels) + f" ({', '.join(ports)})", flush=True)
     names = list(ports)
     print(f"\ncommand: ENVOY=.venv-envoy/bin/envoy .venv/bin/python bench/chunk_cpu.py {' '.join(sys.argv[1:])}; "
           f"{args.rounds} interleaved rounds of {args.seconds:g} s, medians (µs of CPU per relayed chunk)")

@@ -40,6 +40,7 @@ async def load(target: tuple[int, str], shape: str, streams: int, seconds: float
             await compare.burst(target, streams, 1, fresh=fresh, tokens=tokens)
             rounds += 1
         return rounds
+    compare.SWEEP_TOKENS = tokens  # (steady: each closed-loop request asks for this many)
     result = await compare.concurrent(target, streams, seconds, fresh=fresh)
     return int(result["chunks"])
 
@@ -80,9 +81,10 @@ def main() -> int:
     parser.add_argument("--rate", type=int, default=250)
     parser.add_argument("--fresh", action="store_true", help="one connection per stream")
     parser.add_argument("--top", type=int, default=35)
-    parser.add_argument("--tokens", type=int, default=compare.SWEEP_TOKENS, help="per burst stream: 1 leaves only the per-request path")
+    parser.add_argument("--tokens", type=int, default=compare.SWEEP_TOKENS, help="per request: 1 leaves only the per-request path")
     parser.add_argument("--native", action="store_true", help="C frames too (uvloop, libuv, the kernel entry points)")
     parser.add_argument("--src", default=str(ROOT), help="the checkout to profile")
+    parser.add_argument("--no-tracing", action="store_true", help="the defaults: no OTLP endpoint, so no spans")
     args = parser.parse_args(argv)
     sim_port, port = free_port(), free_port()
     compare.SIM_URL = f"http://127.0.0.1:{sim_port}"
@@ -92,7 +94,7 @@ def main() -> int:
         with common.simulator(sim_port):
             compare.schedule(compare.SWEEP_SCHEDULE)
             cmd = serve_command(args.src, "serve", "--upstream", f"{compare.SIM_URL}/v1", "--port", str(port), *extra)
-            with common.process(cmd, f"http://127.0.0.1:{port}/healthz", {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.url}) as proc:
+            with common.process(cmd, f"http://127.0.0.1:{port}/healthz", {} if args.no_tracing else {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.url}) as proc:
                 asyncio.run(load((port, "/v1"), args.shape, args.streams, 2.0, args.fresh, args.tokens))  # warm
                 spy = subprocess.Popen([PY_SPY, "record", "--pid", str(proc.pid), "--rate", str(args.rate), "--format", "raw",
                                         "--output", str(raw), "--duration", str(int(args.seconds)), "--threads", *(["--native"] if args.native else ["--nonblocking"])],

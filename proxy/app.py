@@ -142,7 +142,7 @@ class ProxyApp:
     async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
         soft = raise_open_files_limit(self.settings)[1]  # in each worker, before its listener exists
         self.metrics.child("llmproxy_max_fds").set(soft)
-        watcher = asyncio.create_task(self._count_descriptors())
+        watcher = asyncio.create_task(self._sample_every_second()) if self.metrics.multiprocess else None
         if self.settings.routes or self.settings.slo:
             try:  # (only the main thread of a process may; a test serving the app in a thread cannot)
                 asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.reload)
@@ -165,7 +165,8 @@ class ProxyApp:
         try:
             yield
         finally:
-            watcher.cancel()
+            if watcher is not None:
+                watcher.cancel()
             await self.telemetry.drain()  # every finished request exported before the exporters stop
             store = self.telemetry.records_sink.store
             if store is not None:  # what is buffered, written within the deadline (the rest: counted, `shutdown`)
@@ -197,22 +198,30 @@ class ProxyApp:
         return records.Writer(backend, s.instance_name, s.records_buffer, s.records_buffer_bytes, lambda: self.telemetry.count_error("records"),
                               self.metrics.records_dropped, RETAIN_EVERY_S if records.is_postgres(target) else 0.0, on_batch)
 
-    async def _count_descriptors(self) -> None:
-        """llmproxy_open_fds, once a second (in a thread: listing thousands of descriptors takes ms), and
-        the bytes read ahead of slow clients."""
-        gauge = self.metrics.child("llmproxy_open_fds")
-        read_ahead = self.metrics.child("llmproxy_read_ahead_bytes")
+    def _sample(self) -> None:
+        """The gauges read off the process (open descriptors, bytes read ahead of slow clients), when
+        they are asked for: at each scrape, in its thread (listing thousands of descriptors takes ms).
+        Nothing wakes an idle proxy to keep them fresh."""
+        self.metrics.child("llmproxy_read_ahead_bytes").set(self.router.budget.used)
+        try:
+            self.metrics.child("llmproxy_open_fds").set(_open_fds())
+        except OSError:  # no /proc (not Linux), or out of descriptors for the listing itself
+            pass
+
+    async def _sample_every_second(self) -> None:
+        """With workers, a scrape is answered by one of them and reads every worker's file, so each
+        worker samples its own gauges once a second."""
         while True:
-            read_ahead.set(self.router.budget.used)
-            try:
-                gauge.set(await asyncio.to_thread(_open_fds))
-            except OSError:  # no /proc (not Linux), or out of descriptors for the listing itself
-                pass
+            await asyncio.to_thread(self._sample)
             await asyncio.sleep(1.0)
 
     def _admin_app(self) -> FastAPI:
         app = FastAPI(title="llm-latency-proxy", lifespan=self.lifespan, docs_url=None, redoc_url=None, openapi_url=None)
         metrics, telemetry, admin_key = self.metrics, self.telemetry, self.settings.admin_key
+
+        def scrape_now(accept: str) -> tuple[bytes, str]:
+            self._sample()
+            return metrics.render(accept)
 
         page = (Path(__file__).parent / "waterfall.html").read_bytes()
 
@@ -234,7 +243,7 @@ class ProxyApp:
         async def scrape(request: Request) -> Response:
             # In a thread: rendering thousands of series must not hold the event loop (and the
             # streams on it) for the whole render; the GIL still switches every 5 ms.
-            body, content_type = await asyncio.to_thread(metrics.render, request.headers.get("accept", ""))
+            body, content_type = await asyncio.to_thread(scrape_now, request.headers.get("accept", ""))
             return Response(body, media_type=content_type)
 
         @app.get("/ui")

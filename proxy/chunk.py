@@ -87,9 +87,12 @@ def strip_usage_null(raw: bytes) -> bytes:
     unanchored pattern starting with whitespace backtracks quadratically over padded text).
     A `"usage"` followed by `:` cannot sit inside a JSON string, whose quotes are escaped.
     """
-    for compact in (b',"usage":null', b'"usage":null,'):
-        if compact in raw:
-            return raw.replace(compact, b"", 1)
+    at = raw.find(b',"usage":null')  # compact (every server we know): one search, no replace
+    if at != -1:
+        return raw[:at] + raw[at + 13:]
+    at = raw.find(b'"usage":null,')
+    if at != -1:
+        return raw[:at] + raw[at + 13:]
     at = raw.find(b'"usage"')
     while at != -1:
         match = _USAGE_NULL.match(raw, at)

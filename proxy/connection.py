@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import AsyncIterator, Callable
+from typing import Callable
 
 import httptools
 
@@ -253,9 +253,6 @@ class Connection(asyncio.Protocol):
         """Seconds reading was paused for a slow client during this response (a pause still on counts to now)."""
         return (self.held_ns + (now_ns() - self._held_at if self._paused else 0)) / 1e9
 
-    async def iter_body(self) -> AsyncIterator[bytes]:
-        while data := await self.read():
-            yield data
 
     def reusable(self, now: float) -> bool:
         """Whole response read, server keeps it open, nothing unexpected arrived, not expired."""

@@ -19,6 +19,8 @@ from .sse import DEFAULT_LIMIT, Event, EventTooLarge, SSEDecoder
 
 
 class Framer(Protocol):
+    def one(self, chunk: bytes) -> bytes | None: ...  # a read that is one whole event: its data (None: use feed)
+
     def feed(self, chunk: bytes) -> list[Event]: ...
 
     def flush(self) -> list[Event]: ...
@@ -32,6 +34,9 @@ class LineDecoder:
     def __init__(self, limit: int = DEFAULT_LIMIT) -> None:
         self._pending = bytearray()
         self.limit = limit
+
+    def one(self, chunk: bytes) -> bytes | None:
+        return None  # (every read is framed by feed)
 
     def feed(self, chunk: bytes) -> list[Event]:
         pending = self._pending
@@ -73,6 +78,9 @@ class ArrayDecoder:
         self._start = -1  # where the current element began (-1: between elements)
         self._opened = False  # the top-level `[` went by
         self.limit = limit
+
+    def one(self, chunk: bytes) -> bytes | None:
+        return None  # (every read is framed by feed)
 
     def feed(self, chunk: bytes) -> list[Event]:
         buf = self._pending

@@ -44,8 +44,8 @@ NON_STREAM_BODY_LIMIT = 16 * 1024 * 1024  # bytes kept for reading usage from a 
 
 
 class Pump:
-    __slots__ = ("t", "send", "reader", "rewrite", "framed", "json_body", "kept", "silence", "loop", "idle", "grace", "moved",
-                 "decoding", "sending", "writer")
+    __slots__ = ("t", "send", "reader", "rewrite", "framed", "json_body", "kept", "silence", "loop", "idle", "grace", "grace_ns",
+                 "move_at_ns", "decoding", "sending", "writer")
 
     def __init__(self, t: RequestTiming, send: Callable[[dict[str, Any]], Awaitable[None]], reader: Reader | None, rewrite: bool,
                  json_body: list[bytes] | None, silence: asyncio.Timeout | None, idle_s: float, writer: BodyWriter | None) -> None:
@@ -54,19 +54,22 @@ class Pump:
         self.kept = 0
         # The inter-chunk limit is moved at most once per `grace` (idle/16), to `idle + grace` ahead:
         # a stream is cut after between idle and 17/16 idle of silence, and a chunk costs no timer.
-        self.silence, self.loop, self.idle, self.grace, self.moved = silence, asyncio.get_running_loop(), idle_s, idle_s / 16, 0.0
+        # Whether it is due is read off the piece's own read instant (one integer comparison per
+        # chunk); only a move asks the loop for its clock. With no limit, it is never due.
+        self.silence, self.loop, self.idle, self.grace = silence, asyncio.get_running_loop(), idle_s, idle_s / 16
+        self.grace_ns = int(self.grace * 1e9)
+        self.move_at_ns = 0 if silence is not None else 1 << 62
         self.decoding = bool(t.content_ns)
         self.sending = False  # handing bytes to a client that is not taking them (a timeout now is the client's: client_slow)
         self.writer = writer if writer is not None and writer.chunked else None  # None: every piece through the ASGI send
 
-    def _moved(self, first: bool = False) -> None:
+    def _moved(self, now: int) -> None:
+        """Move the inter-chunk limit (called when `move_at_ns` is past, or at the first token)."""
         silence = self.silence
         if silence is None:
             return
-        at = self.loop.time()
-        if first or at > self.moved:
-            silence.reschedule(at + self.idle + self.grace)
-            self.moved = at + self.grace
+        silence.reschedule(self.loop.time() + self.idle + self.grace)
+        self.move_at_ns = now + self.grace_ns
 
     def _noted(self, chunk: bytes, now: int) -> None:
         """After a passthrough piece went out: what it meant (the reader), or the JSON body kept."""
@@ -79,7 +82,7 @@ class Pump:
     def _first_token(self, sent: int) -> None:
         """This piece held the first token: when it was handed on; the inter-chunk limit starts."""
         self.decoding, self.t.first_sent_ns = True, sent
-        self._moved(first=True)
+        self._moved(sent)
 
     def forward(self, chunk: bytes, now: int) -> bool:
         """The fast way, in the upstream protocol's callback; False: not now (the task's loop takes it)."""
@@ -87,8 +90,8 @@ class Pump:
         if writer is None or not writer.ready():
             return False
         decoding = self.decoding
-        if decoding:
-            self._moved()
+        if decoding and now > self.move_at_ns:
+            self._moved(now)
         if self.rewrite:
             out = self.reader.rewrite(chunk, now)  # type: ignore[union-attr]
             sent = 0 if decoding else now_ns()
@@ -110,8 +113,8 @@ class Pump:
             while chunk := await read():
                 now = response.read_ns  # when the bytes came off the socket (connection.py), not when this task woke
                 decoding = self.decoding
-                if decoding:
-                    self._moved()
+                if decoding and now > self.move_at_ns:
+                    self._moved(now)
                 self.sending = True
                 # `sent`: as the bytes are handed to the server (as for the last byte: a client the kernel
                 # runs first once woken, on this busy machine, is not the proxy's own time)

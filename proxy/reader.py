@@ -20,7 +20,7 @@ from .compression import DecodeError, Decoder
 from .engine import from_llamacpp, from_vllm
 from .errors import RemoteProtocolError
 from .framing import Framer
-from .sse import Event, EventTooLarge
+from .sse import EventTooLarge
 
 if TYPE_CHECKING:
     from .apis import Dialect
@@ -44,6 +44,9 @@ class Reader:
         decoder, inflate = self.decoder, self.inflate
         if decoder is None:
             return
+        if inflate is None and (data := decoder.one(chunk)) is not None:  # the usual read: one whole event
+            self.note(data, now)
+            return
         try:
             for event in decoder.feed(chunk if inflate is None else inflate.feed(chunk)):
                 self.note(event.data, now)
@@ -63,11 +66,13 @@ class Reader:
                 raise RemoteProtocolError("the upstream's compressed stream could not be decoded") from None
         if decoder is None:
             return chunk
+        if (data := decoder.one(chunk)) is not None:  # the usual read: one whole event
+            return self.rewritten(chunk, data, now)
         try:
-            return b"".join([self.rewritten(event, now) for event in decoder.feed(chunk)])
+            return b"".join([self.rewritten(event.raw, event.data, now) for event in decoder.feed(chunk)])
         except EventTooLarge as exc:
             self.unframed(exc)
-            return b"".join([self.rewritten(event, now) for event in exc.events]) + bytes(exc.pending)
+            return b"".join([self.rewritten(event.raw, event.data, now) for event in exc.events]) + bytes(exc.pending)
 
     def flush(self, now: int, rewrite: bool) -> bytes:
         """The upstream ended: an unterminated last event still counts; in rewrite mode, its bytes."""
@@ -75,7 +80,7 @@ class Reader:
             return b""
         events = self.decoder.flush()
         if rewrite:
-            return b"".join([self.rewritten(event, now) for event in events])
+            return b"".join([self.rewritten(event.raw, event.data, now) for event in events])
         for event in events:
             self.note(event.data, now)
         return b""
@@ -119,15 +124,16 @@ class Reader:
             t.outcome, t.error = "upstream_error", f"stream_error:{chunk.failed}"
         # After the API's end event, or an error event (an SDK raises on it and closes), a client
         # leaving has had all there is: the request keeps its outcome, never client_disconnect.
-        self.done = self.done or chunk.final or bool(chunk.failed)
+        if chunk.final or chunk.failed:
+            self.done = True
         return chunk
 
-    def rewritten(self, event: Event, now: int) -> bytes:
-        """Rewrite mode: the bytes to forward for one event (b"" drops it)."""
-        chunk = self.note(event.data, now)
+    def rewritten(self, raw: bytes, data: bytes | None, now: int) -> bytes:
+        """Rewrite mode: the bytes to forward for one event, `raw` with its `data` (b"" drops it)."""
+        chunk = self.note(data, now)
         if chunk is None:
-            return event.raw
-        raw = self.dialect.forwarded(chunk, event.raw) if self.injected else event.raw
-        if self.strip and raw and (chunk.timings is not None or chunk.metrics is not None) and event.data is not None:
-            raw = raw.replace(event.data, without_engine_fields(event.data), 1)
-        return raw
+            return raw
+        out = self.dialect.forwarded(chunk, raw) if self.injected else raw
+        if self.strip and out and (chunk.timings is not None or chunk.metrics is not None) and data is not None:
+            out = out.replace(data, without_engine_fields(data), 1)
+        return out

@@ -240,7 +240,7 @@ class Exchange:
         request again, and is not asked again; any other 400 goes to the client as it came."""
         t = self.t
         raw = b""
-        async for part in response.iter_body():
+        while part := await response.read():
             raw += part
             if len(raw) > ERROR_BODY_LIMIT:
                 break
@@ -320,7 +320,9 @@ class Exchange:
     async def _buffered(self, response: Connection, out_headers: list[tuple[bytes, bytes]]) -> None:
         """Non-streaming with --strip-engine-fields: the body is rewritten whole, then sent."""
         t = self.t
-        parts = [part async for part in response.iter_body()]
+        parts = []
+        while part := await response.read():
+            parts.append(part)
         t.upstream_end_ns = now_ns()
         self.json_body = parts
         body = without_engine_fields(b"".join(parts))

@@ -41,6 +41,7 @@ from .connection import Budget
 from .upstream import Upstream
 
 log = logging.getLogger("llmproxy.routes")
+GLOBBED_MAX = 4096  # models whose glob route is remembered (names are client-chosen: bounded)
 OVERRIDES = ("connect_timeout", "first_token_timeout", "read_timeout", "write_timeout", "pool_timeout", "max_connections",
              "keepalive_expiry", "upstream_proxy")
 
@@ -69,6 +70,7 @@ class Router:
         self.upstreams: dict[str, Upstream] = {}
         self.routes: list[tuple[tuple[str, ...], tuple[str, ...]]] = []
         self.exact: dict[str, tuple[str, ...]] = {}
+        self.globbed: dict[str, tuple[str, ...] | None] = {}  # a model's glob route, once matched (bounded)
         self.default: str | None = None
         if settings.routes:
             self._install(*self._parse(settings.routes))
@@ -114,7 +116,7 @@ class Router:
             if upstreams.get(name) is not old:
                 old.close()  # idle connections only: its streams in flight finish on it
         self.upstreams, self.routes, self.default = upstreams, routes, default
-        self.exact = {}
+        self.exact, self.globbed = {}, {}
         for models, names in routes:
             for model in models:
                 if not any(c in model for c in "*?["):
@@ -129,11 +131,18 @@ class Router:
     def pick(self, model: str) -> Upstream | None:
         names = self.exact.get(model)
         if names is None:
-            names = next((n for models, n in self.routes if any(fnmatch.fnmatchcase(model, m) for m in models)), None)
+            if model in self.globbed:
+                names = self.globbed[model]
+            else:  # (matched once per model: fnmatch per request cost more than the rest of picking)
+                names = next((n for models, n in self.routes if any(fnmatch.fnmatchcase(model, m) for m in models)), None)
+                if len(self.globbed) < GLOBBED_MAX:
+                    self.globbed[model] = names
         if names is None:
             names = (self.default,) if self.default is not None else None
         if names is None:
             return None
+        if len(names) == 1:
+            return self.upstreams[names[0]]
         return min((self.upstreams[n] for n in names), key=lambda u: u.in_flight)
 
     def models(self) -> list[str]:

@@ -20,6 +20,7 @@ import shutil
 import tempfile
 from typing import Any
 
+import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from .config import Settings
@@ -126,6 +127,33 @@ class BodyWriter:
 GuardedHttpTools.header_timeout = float(os.environ.get(HEADER_TIMEOUT_ENV, GuardedHttpTools.header_timeout))
 
 
+class QuietServer(uvicorn.Server):
+    """uvicorn's server without its 100 ms tick. uvicorn wakes ten times a second to see whether it
+    should exit (and to refresh a Date header we do not send): 2.6 ms of CPU a second here, idle or
+    not, a quarter of the relay's CPU per chunk at one stream. This one sleeps until `should_exit`
+    is set: by its signal handler, or by our code (the admin server at shutdown)."""
+
+    _wake: asyncio.Event | None = None
+    _loop: asyncio.AbstractEventLoop | None = None
+    _exit = False
+
+    @property
+    def should_exit(self) -> bool:
+        return self._exit
+
+    @should_exit.setter
+    def should_exit(self, value: bool) -> None:
+        self._exit = value
+        if value and self._wake is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._wake.set)  # (safe from a signal handler, or another thread)
+
+    async def main_loop(self) -> None:
+        self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
+        while not await self.on_tick(0):  # (counter 0: its once-a-second work each time it wakes)
+            await self._wake.wait()
+            self._wake.clear()
+
+
 def uvicorn_options(settings: Settings) -> dict[str, Any]:
     # uvloop with our own listener, which never resets a client when descriptors run out (acceptor.py).
     return {"loop": "proxy.acceptor:new_event_loop", "http": GuardedHttpTools, "log_level": settings.log_level, "access_log": False,
@@ -135,8 +163,12 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
 
 
 def run(settings: Settings) -> None:
-    import uvicorn
+    from . import build
 
+    hot = build.compiled()
+    log.info("hot path %s", f"compiled (mypyc): {', '.join(hot)}" if hot else "interpreted (no compiled build: 6-12% more CPU per chunk)")
+    if build.stale():
+        log.warning("%s changed after its compiled build, which runs instead: reinstall (make install)", ", ".join(build.stale()))
     os.environ[HEADER_TIMEOUT_ENV] = str(settings.header_timeout)
     GuardedHttpTools.header_timeout = settings.header_timeout
     if settings.workers > 1:
@@ -154,11 +186,11 @@ def run(settings: Settings) -> None:
     from .app import create_app
 
     app = create_app(settings)
-    main = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, **uvicorn_options(settings)))
+    main = QuietServer(uvicorn.Config(app, host=settings.host, port=settings.port, **uvicorn_options(settings)))
     if not settings.admin_port:
         main.run()
         return
-    admin = uvicorn.Server(uvicorn.Config(app.admin, host=settings.host, port=settings.admin_port, lifespan="off",
+    admin = QuietServer(uvicorn.Config(app.admin, host=settings.host, port=settings.admin_port, lifespan="off",
                                           **uvicorn_options(settings)))
 
     async def both() -> None:

@@ -38,8 +38,6 @@ class EventTooLarge(Exception):
 def _whole(chunk: bytes) -> list[Event]:
     """Complete events separated by single blank lines, LF line ends only, none held over: the same
     events `SSEDecoder.feed`'s general loop finds, without a regular expression per line."""
-    if chunk[:6] == b"data: " and chunk.find(b"\n") == len(chunk) - 2:  # one event, one data line: most reads of every API
-        return [Event(chunk, chunk[6:-2])]
     events = []
     for block in chunk[:-2].split(b"\n\n"):
         raw = block + b"\n\n"
@@ -69,10 +67,22 @@ class SSEDecoder:
         self._data: list[bytes] = []
         self.limit = limit
 
+    def one(self, chunk: bytes) -> bytes | None:
+        """The usual read of every API: exactly one whole event of one data line, nothing pending.
+        Its data, or None (then `feed` frames it): the same event `feed` would find, without
+        building it."""
+        if (not self._pending and chunk.startswith(b"data: ") and chunk.find(b"\n") == len(chunk) - 2 and chunk.endswith(b"\n")
+                and b"\r" not in chunk):
+            return chunk[6:-2]
+        return None
+
     def feed(self, chunk: bytes) -> list[Event]:
         pending = self._pending
-        if not pending and chunk[-2:] == b"\n\n" and b"\r" not in chunk and b"\n\n\n" not in chunk and chunk[:1] != b"\n":
-            return _whole(chunk)  # the usual read: whole LF-terminated events, nothing held
+        if not pending:
+            if (data := self.one(chunk)) is not None:
+                return [Event(chunk, data)]
+            if chunk[-2:] == b"\n\n" and b"\r" not in chunk and b"\n\n\n" not in chunk and chunk[:1] != b"\n":
+                return _whole(chunk)  # whole LF-terminated events, nothing held
         if pending:
             pending += chunk
             buffer: bytes | bytearray = pending

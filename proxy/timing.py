@@ -219,7 +219,10 @@ def split(t: RequestTiming) -> Breakdown:
     for instants, counts in sequences.values():
         seq_gaps = [(b - a) / NS for a, b in zip(instants, instants[1:])]
         gaps += seq_gaps
-        itl += [gap / n if n > 0 else gap for gap, n in zip(seq_gaps, counts[1:])]
+        if t.chunk_tokens is None:  # one token per chunk: the gaps themselves
+            itl += seq_gaps
+        else:
+            itl += [gap / n if n > 0 else gap for gap, n in zip(seq_gaps, counts[1:])]
         window = (instants[-1] - instants[0]) / NS
         after = sum(counts[1:])
         if window > 0 and after > 0:

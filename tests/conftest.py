@@ -17,6 +17,15 @@ os.environ["XDG_DATA_HOME"] = tempfile.mkdtemp(prefix="llmproxy-test-data-")
 
 from servers import ProxyServer, Simulator  # noqa: E402
 
+from proxy import build  # noqa: E402
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """A hot module edited after its in-place compiled build would not be what runs: refuse."""
+    if build.stale():
+        raise pytest.UsageError(f"{', '.join(build.stale())} changed after the compiled build beside it: run `make install` "
+                                "(or delete the proxy/*.so files to run interpreted)")
+
 
 @pytest.fixture(scope="session")
 def sim() -> Iterator[Simulator]:

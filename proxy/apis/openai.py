@@ -66,7 +66,10 @@ class OpenAI(Dialect):
         return usage_injected_body(parsed, raw)
 
     def forwarded(self, chunk: Chunk, raw: bytes) -> bytes:
-        return b"" if chunk.usage_only else strip_usage_null(raw)
+        if chunk.usage_only:
+            return b""
+        at = raw.find(b',"usage":null')  # (strip_usage_null's first case, inlined: every event of a stream we asked usage for)
+        return raw[:at] + raw[at + 13:] if at != -1 else strip_usage_null(raw)
 
 
 def _delta_text(delta: dict[str, Any]) -> tuple[str, bool]:
@@ -94,40 +97,49 @@ def parse_chunk(data: bytes) -> Chunk:
     if data == DONE:
         chunk.final = True
         return chunk
-    obj = json_object(data)
-    if obj is None:
+    try:  # (json_object, inlined: this runs once per event of every chat stream)
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        obj = None
+    if obj.__class__ is not dict:
         chunk.valid = False
         return chunk
-    kind = obj.get("type")
-    if isinstance(kind, str) and "choices" not in obj:
-        _response_event(kind, obj, chunk)
-        return chunk
-    choices = obj.get("choices")
-    if isinstance(choices, list):
+    # Exact types, not isinstance: orjson makes only these, and an exact check costs less per event.
+    get = obj.get
+    choices = get("choices")
+    if choices is None and "choices" not in obj:
+        kind = get("type")
+        if kind.__class__ is str:
+            _response_event(kind, obj, chunk)
+            return chunk
+    elif choices.__class__ is list:
         for position, choice in enumerate(choices):
-            if not isinstance(choice, dict):
+            if choice.__class__ is not dict:
                 continue
             delta = choice.get("delta")
-            if isinstance(delta, dict):
-                text, reasoning = _delta_text(delta)
-                chunk.reasoning = chunk.reasoning or reasoning
+            if delta.__class__ is dict:
+                text = delta.get("content") if len(delta) == 1 else None  # the usual delta: its content alone
+                if text.__class__ is not str:
+                    text, reasoning = _delta_text(delta)
+                    if reasoning:
+                        chunk.reasoning = True
             else:
                 text = string(choice.get("text"))
             if text:
                 index = choice.get("index")
-                chunk.texts.append((index if isinstance(index, int) else position, text))
-    usage = obj.get("usage")
-    if isinstance(usage, dict):
+                chunk.texts.append((index if index.__class__ is int else position, text))
+    usage = get("usage")
+    if usage.__class__ is dict:
         chunk.usage = usage
         chunk.usage_only = choices == []
-    model = obj.get("model")
-    if isinstance(model, str):
+    model = get("model")
+    if model.__class__ is str:
         chunk.model = model
-    timings = obj.get("timings")
-    if isinstance(timings, dict):
+    timings = get("timings")
+    if timings.__class__ is dict:
         chunk.timings = timings
-    metrics = obj.get("metrics")
-    if isinstance(metrics, dict):
+    metrics = get("metrics")
+    if metrics.__class__ is dict:
         chunk.metrics = metrics
     return chunk
 

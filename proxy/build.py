@@ -1,0 +1,48 @@
+"""The hot path's build: which modules setup.py compiles with mypyc, and whether they run compiled.
+
+Compiled, a relayed chunk costs 6-12% less CPU (bench/RESULTS.md, "mypyc"); interpreted, the same
+code behaves the same. An in-place build (the editable install) sits beside its sources and is
+imported instead of them: a source edited after the build would not run at all, so `stale` names
+such sources (the suite refuses to start on any, the server logs them). Standard library only:
+setup.py imports this before the package's dependencies exist.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.machinery
+from pathlib import Path
+
+# The modules a relayed chunk runs through. apis.azure subclasses OpenAI (an interpreted class
+# cannot inherit from a compiled one).
+HOT_MODULES = ("connection", "pump", "reader", "sse", "framing", "chunk", "apis.openai", "apis.azure")
+PACKAGE = Path(__file__).resolve().parent
+
+
+def sources() -> list[str]:
+    """The hot modules' source files, relative to the project (what setup.py hands mypyc)."""
+    return [f"proxy/{name.replace('.', '/')}.py" for name in HOT_MODULES]
+
+
+def compiled() -> list[str]:
+    """The hot modules that this process runs compiled (imported from an extension module)."""
+    names = []
+    for name in HOT_MODULES:
+        module = importlib.import_module(f"proxy.{name}")
+        if str(getattr(module, "__file__", "")).endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES)):
+            names.append(name)
+    return names
+
+
+def stale() -> list[str]:
+    """Sources changed after the compiled module beside them was built (that module runs, not them).
+    Only in a checkout (setup.py beside the package): an installed wheel writes both at install time."""
+    if not (PACKAGE.parent / "setup.py").exists():
+        return []
+    out = []
+    for name in HOT_MODULES:
+        source = PACKAGE / f"{name.replace('.', '/')}.py"
+        for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+            built = source.with_name(source.stem + suffix)
+            if built.exists() and source.exists() and source.stat().st_mtime > built.stat().st_mtime:
+                out.append(str(source.relative_to(PACKAGE.parent)))
+    return out

@@ -2,7 +2,7 @@
 
 Why: CPU per relayed chunk is the proxy's cost against a C++ relay, and these modules are what runs
 per chunk (the upstream connection, the pump, the reader, SSE framing, the OpenAI dialect): compiled,
-the same code costs 6-12% less CPU per chunk at 16 and 64 streams (bench/RESULTS.md, "mypyc"). The
+the same code costs 6-16% less CPU per chunk at every level measured (bench/RESULTS.md, "mypyc"). The
 code is mypy-strict already, so mypyc compiles it as it is.
 
 The extensions are optional: where no C compiler is found the build warns and the package installs

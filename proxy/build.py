@@ -1,6 +1,6 @@
 """The hot path's build: which modules setup.py compiles with mypyc, and whether they run compiled.
 
-Compiled, a relayed chunk costs 6-12% less CPU (bench/RESULTS.md, "mypyc"); interpreted, the same
+Compiled, a relayed chunk costs 6-16% less CPU (bench/RESULTS.md, "mypyc"); interpreted, the same
 code behaves the same. An in-place build (the editable install) sits beside its sources and is
 imported instead of them: a source edited after the build would not run at all, so `stale` names
 such sources (the suite refuses to start on any, the server logs them). Standard library only:

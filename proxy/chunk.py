@@ -87,12 +87,10 @@ def strip_usage_null(raw: bytes) -> bytes:
     unanchored pattern starting with whitespace backtracks quadratically over padded text).
     A `"usage"` followed by `:` cannot sit inside a JSON string, whose quotes are escaped.
     """
-    at = raw.find(b',"usage":null')  # compact (every server we know): one search, no replace
-    if at != -1:
-        return raw[:at] + raw[at + 13:]
-    at = raw.find(b'"usage":null,')
-    if at != -1:
-        return raw[:at] + raw[at + 13:]
+    for compact in (b',"usage":null', b'"usage":null,'):  # compact (every server we know): one search, no replace
+        at = raw.find(compact)
+        if at != -1:
+            return raw[:at] + raw[at + len(compact):]
     at = raw.find(b'"usage"')
     while at != -1:
         match = _USAGE_NULL.match(raw, at)

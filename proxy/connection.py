@@ -253,7 +253,6 @@ class Connection(asyncio.Protocol):
         """Seconds reading was paused for a slow client during this response (a pause still on counts to now)."""
         return (self.held_ns + (now_ns() - self._held_at if self._paused else 0)) / 1e9
 
-
     def reusable(self, now: float) -> bool:
         """Whole response read, server keeps it open, nothing unexpected arrived, not expired."""
         return (self.complete and self.keep_alive and not self.closed and not self._body and self.error is None

@@ -22,8 +22,9 @@ from proxy import build  # noqa: E402
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     """A hot module edited after its in-place compiled build would not be what runs: refuse."""
-    if build.stale():
-        raise pytest.UsageError(f"{', '.join(build.stale())} changed after the compiled build beside it: run `make install` "
+    stale = build.stale()
+    if stale:
+        raise pytest.UsageError(f"{', '.join(stale)} changed after the compiled build beside it: run `make install` "
                                 "(or delete the proxy/*.so files to run interpreted)")
 
 

@@ -66,10 +66,7 @@ class OpenAI(Dialect):
         return usage_injected_body(parsed, raw)
 
     def forwarded(self, chunk: Chunk, raw: bytes) -> bytes:
-        if chunk.usage_only:
-            return b""
-        at = raw.find(b',"usage":null')  # (strip_usage_null's first case, inlined: every event of a stream we asked usage for)
-        return raw[:at] + raw[at + 13:] if at != -1 else strip_usage_null(raw)
+        return b"" if chunk.usage_only else strip_usage_null(raw)
 
 
 def _delta_text(delta: dict[str, Any]) -> tuple[str, bool]:
@@ -97,11 +94,8 @@ def parse_chunk(data: bytes) -> Chunk:
     if data == DONE:
         chunk.final = True
         return chunk
-    try:  # (json_object, inlined: this runs once per event of every chat stream)
-        obj = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        obj = None
-    if obj.__class__ is not dict:
+    obj = json_object(data)
+    if obj is None:
         chunk.valid = False
         return chunk
     # Exact types, not isinstance: orjson makes only these, and an exact check costs less per event.

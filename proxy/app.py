@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry
 from starlette.types import Receive, Scope, Send
 
 from . import apis, records
+from .records.aggregate import summary as summarise
 from .acceptor import ProxyLoop
 from .admission import Admission, raise_open_files_limit
 from .config import Settings
@@ -41,7 +42,6 @@ from .upstream import Upstream
 log = logging.getLogger("llmproxy")
 SETTINGS_ENV = "LLMPROXY_SETTINGS_JSON"
 RECORDS_FLUSH_S = 5.0  # at shutdown, after the drain: what the records buffer may take to reach the store
-RETAIN_EVERY_S = 5.0  # PostgreSQL retention, by one replica at a time (SQLite: after every batch)
 ADMIN_PATHS = ("/metrics", "/healthz", "/ui")  # and /llmproxy/*: never relayed
 
 
@@ -196,7 +196,7 @@ class ProxyApp:
             buffered.set(waiting)
 
         return records.Writer(backend, s.instance_name, s.records_buffer, s.records_buffer_bytes, lambda: self.telemetry.count_error("records"),
-                              self.metrics.records_dropped, RETAIN_EVERY_S if records.is_postgres(target) else 0.0, on_batch)
+                              self.metrics.records_dropped, on_batch)
 
     def _sample(self) -> None:
         """The gauges read off the process (open descriptors, bytes read ahead of slow clients), when
@@ -253,20 +253,38 @@ class ProxyApp:
 
         @app.get("/llmproxy/requests")
         async def requests(limit: int = 100, model: str = "", upstream: str = "", outcome: str = "", api: str = "", slo: str = "",
-                           verdict: str = "", instance: str = "") -> Any:
+                           verdict: str = "", instance: str = "", min_ttft: float = 0.0) -> Any:
             """The most recent per-request records, newest last: every worker's (with PostgreSQL, every
             replica's), from the records store (this worker's in memory when records are off or the
-            store unreadable). `verdict`: good or miss (its SLO verdict); `instance`: one replica."""
-            filters = records.Filters(model, upstream, outcome, api, slo, verdict, instance)
+            store unreadable). `verdict`: good or miss (its SLO verdict); `instance`: one replica;
+            `min_ttft`: seconds."""
+            filters = records.Filters(model, upstream, outcome, api, slo, verdict, instance, min_ttft)
             store = telemetry.records_sink.store
             if store is not None:
                 await asyncio.to_thread(store.flush)
                 try:
-                    return await asyncio.to_thread(store.recent, limit, filters)
+                    found = await asyncio.to_thread(store.recent, limit, filters)
+                    return Response(b"[" + b",".join(found) + b"]", media_type="application/json")  # (as stored: never parsed here)
                 except Exception:  # noqa: BLE001 - unreadable (a corrupt file, the server down): counted, served from memory
                     telemetry.count_error("records")
             rows = [r for r in telemetry.records if filters.match(r)]
             return rows[-limit:] if limit > 0 else []
+
+        @app.get("/llmproxy/summary")
+        async def summary(since: float = 3600.0, model: str = "", upstream: str = "", outcome: str = "", api: str = "", slo: str = "",
+                          verdict: str = "", instance: str = "") -> Any:
+            """What the records store counted over the last `since` seconds for these filters (/ui's
+            summary line): requests by outcome, TTFT and end-to-end percentiles, SLO attainment; from
+            the aggregates, never from the records (null when records are off)."""
+            store = telemetry.records_sink.store
+            if store is None:
+                return {"requests": None}
+            filters = records.Filters(model, upstream, outcome, api, slo, verdict, instance)
+            try:
+                return await asyncio.to_thread(summarise, store.backend, since, filters)
+            except Exception:  # noqa: BLE001 - unreadable: counted
+                telemetry.count_error("records")
+                return {"requests": None}
 
         return app
 

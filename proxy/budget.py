@@ -14,45 +14,38 @@ from __future__ import annotations
 import collections
 from typing import Any
 
+from .records.aggregate import Aggregate, Judged
 from .slo import Objective
 
 MIN_LEVELS = 3
 MIN_PER_LEVEL = 3
 
 
-def _span_s(records: list[dict[str, Any]]) -> float:
-    start = min(r["received_unix_ns"] for r in records)
-    end = max(r["received_unix_ns"] + r["duration_s"] * 1e9 for r in records)
-    return max(1e-9, (end - start) / 1e9)
-
-
-def attainment(records: list[dict[str, Any]], name: str, objective: Objective | None) -> dict[str, Any]:
-    """One SLO over these records: judged, good, attainment, budget left, goodput, misses by blame."""
-    judged = [r for r in records if r.get("slo") == name and r.get("slo_good") is not None]
-    good = sum(1 for r in judged if r["slo_good"])
+def attainment(judged: Judged | None, objective: Objective | None) -> dict[str, Any]:
+    """One SLO over a window's verdicts: judged, good, attainment, budget left, goodput, misses by blame."""
+    judged = judged or Judged()
     misses: dict[str, collections.Counter[str]] = {}
-    for r in judged:
-        for missed, blamed in (r.get("slo_blame") or {}).items():
-            misses.setdefault(missed, collections.Counter())[blamed] += 1
-    out: dict[str, Any] = {"judged": len(judged), "good": good, "bad": len(judged) - good,
-                           "attainment": good / len(judged) if judged else None,
+    for (missed, blamed), n in judged.misses.items():
+        misses.setdefault(missed, collections.Counter())[blamed] += n
+    out: dict[str, Any] = {"judged": judged.judged, "good": judged.good, "bad": judged.judged - judged.good,
+                           "attainment": judged.good / judged.judged if judged.judged else None,
                            "misses": {missed: dict(counts.most_common()) for missed, counts in sorted(misses.items())}}
-    if judged:
-        seconds = _span_s(judged)
-        out.update(goodput_rps=good / seconds, throughput_rps=len(judged) / seconds, window_s=seconds)
+    if judged.judged:
+        seconds = judged.span.seconds
+        out.update(goodput_rps=judged.good / seconds, throughput_rps=judged.judged / seconds, window_s=seconds)
     if objective is not None:
         out["target"] = objective.target
         out["objectives"] = objective.thresholds
-        if judged:  # 1: untouched, 0: spent, below 0: overspent, over the records' window (--since)
-            out["budget_left"] = 1.0 - (out["bad"] / len(judged)) / objective.budget
+        if judged.judged:  # 1: untouched, 0: spent, below 0: overspent, over the records' window (--since)
+            out["budget_left"] = 1.0 - (out["bad"] / judged.judged) / objective.budget
     return out
 
 
-def capacity(decoding: list[dict[str, Any]], decode: dict[str, Any] | None, objective: Objective | None) -> dict[str, Any] | None:
-    """{"tpot_s", "streams", "peak_streams"} for a model group with a tpot objective (None without one)."""
+def capacity(levels: dict[int, int], decode: dict[str, Any] | None, objective: Objective | None) -> dict[str, Any] | None:
+    """{"tpot_s", "streams", "peak_streams"} for a model group with a tpot objective (None without one);
+    `levels`: decoding requests per concurrency level they began decoding at."""
     if objective is None or objective.tpot is None:
         return None
-    levels = collections.Counter(r["in_flight_at_decode"] for r in decoding if r.get("decode_tokens_per_second") and r.get("in_flight_at_decode"))
     used = sorted(level for level, n in levels.items() if n >= MIN_PER_LEVEL)
     out: dict[str, Any] = {"tpot_s": objective.tpot, "streams": None, "peak_streams": max(levels) if levels else None, "levels": len(used)}
     if len(used) < MIN_LEVELS:
@@ -71,11 +64,13 @@ def capacity(decoding: list[dict[str, Any]], decode: dict[str, Any] | None, obje
     return out
 
 
-def summary(records: list[dict[str, Any]], objectives: tuple[Objective, ...]) -> dict[str, dict[str, Any]]:
-    """Per SLO over every model it covers (the objectives file's, and any the records name)."""
-    names = [o.name for o in objectives] + sorted({r["slo"] for r in records if r.get("slo")} - {o.name for o in objectives})
+def summary(by_slo: dict[tuple[str, ...], Aggregate], objectives: tuple[Objective, ...]) -> dict[str, dict[str, Any]]:
+    """Per SLO over every model it covers (the objectives file's, and any the records name): `by_slo`
+    is a window's aggregates by the dimension `slo`."""
+    seen = {key[0] for key in by_slo if key[0]}
+    names = [o.name for o in objectives] + sorted(seen - {o.name for o in objectives})
     by_name = {o.name: o for o in objectives}
-    return {name: attainment(records, name, by_name.get(name)) for name in names}
+    return {name: attainment(by_slo[(name,)].slos.get(name) if (name,) in by_slo else None, by_name.get(name)) for name in names}
 
 
 def render(name: str, s: dict[str, Any]) -> list[str]:

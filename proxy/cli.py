@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Sequence
 from .config import add_arguments, build_settings
 
 if TYPE_CHECKING:
+    from .records import Backend
     from .slo import Objective
 
 
@@ -51,46 +52,103 @@ def demo(args: argparse.Namespace) -> int:
     return run_demo(repeats=args.repeats, output_tokens=args.output_tokens)
 
 
+def _since_s(value: str) -> float:
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    if not value:
+        return 0.0
+    if value[-1] not in units:
+        raise ValueError(f"--since: a duration such as 90s, 30m, 1h or 2d, not {value!r}")
+    return float(value[:-1]) * units[value[-1]]
+
+
+def _stores(args: argparse.Namespace, paths: list[str]) -> list[Backend]:
+    """The stores named, each brought to this version's schema first (an older one's records moved in,
+    which a proxy of this version would do on its own)."""
+    from .records import open_backend
+
+    password_file = args.db_password_file or os.environ.get("LLMPROXY_RECORDS_DB_PASSWORD_FILE", "")
+    stores = []
+    for path in paths:
+        if "://" not in path and not os.path.exists(path):
+            raise ValueError(f"no records database at {path}")
+        store = open_backend(path, password_file=password_file)
+        if store.pending():
+            print(f"moving {store.pending():,} records of an older schema into {store.where} first", file=sys.stderr)
+            store.open()
+            while store.pending():
+                store.retain()
+            store.close()
+        stores.append(store)
+    return stores
+
+
 def explain(args: argparse.Namespace) -> int:
     import glob
+    import time
 
+    from . import budget
     from .explain import explain as analyse
-    from .explain import render, to_json
-    from .records import load as load_records
+    from .explain import gather, render, to_json
+    from .records.aggregate import read
+    from .records.sql import Window
     from .records.sqlite import default_path
 
     paths = args.db or sorted(glob.glob(default_path(0).replace("records-0.sqlite", "records-*.sqlite")))
     if not paths:
         raise ValueError("no records database: pass --db PATH (the proxy's --records-db: a file, or postgresql://…)")
-    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-    since = float(args.since[:-1]) * units[args.since[-1]] if args.since else 0.0
+    since = _since_s(args.since)
     hardware = None
     if args.roofline:
         if not (args.params and args.bandwidth):
             raise ValueError("--roofline needs --params and --bandwidth")
         hardware = {"params": args.params, "bytes_per_param": args.bytes_per_param, "bandwidth": args.bandwidth,
                     "kv_bytes_per_token": args.kv_bytes_per_token}
-    records = load_records(paths, since, args.model, args.db_password_file or os.environ.get("LLMPROXY_RECORDS_DB_PASSWORD_FILE", ""))
+    stores = _stores(args, paths)
+    window = Window(time.time_ns() - int(since * 1e9) if since else 0, (("model", args.model),) if args.model else ())
+    groups = gather(stores, window)
     objectives: tuple[Objective, ...] = ()
     slo_path = args.slo or os.environ.get("LLMPROXY_SLO", "")
     if slo_path:
         from .slo import load as load_objectives
 
         objectives = load_objectives(slo_path)
-    report = analyse(records, hardware, objectives)
+    report = analyse(groups, hardware, objectives)
     if args.json:
         print(to_json(report))
     else:
-        from . import budget
-
-        for name, summary in budget.summary(records, objectives).items():
+        for name, summary in budget.summary(read(stores, ("slo",), window), objectives).items():
             print("\n".join(budget.render(name, summary)))
         print(render(report))
     if args.plot:
         from .explain import plot
 
-        plot(records, report, args.plot)
+        plot(groups, report, args.plot)
     return 0
+
+
+def records_export(args: argparse.Namespace) -> int:
+    """Every record of the stores (since --since) as JSON lines, oldest first, each with its `id`."""
+    import time
+
+    from .records.transfer import export
+
+    since = _since_s(args.since)
+    export(_stores(args, args.db), time.time_ns() - int(since * 1e9) if since else 0, sys.stdout.buffer)
+    return 0
+
+
+def records_import(args: argparse.Namespace) -> int:
+    """JSON lines from stdin into one store, through the proxy's own write path (the rollup included, the
+    hours compacted); the ids it already holds are skipped. Memory is bounded by the writers' buffers."""
+    from .records import open_backend
+    from .records.transfer import run_import
+
+    password_file = args.db_password_file or os.environ.get("LLMPROXY_RECORDS_DB_PASSWORD_FILE", "")
+    done = run_import(sys.stdin.buffer, lambda: open_backend(args.db, password_file=password_file), lambda line: print(line, file=sys.stderr))
+    print(f"{done.lines:,} lines read, {done.stored:,} records stored, {done.skipped:,} skipped (already held), {done.rejected:,} not records, "
+          f"{done.dropped:,} dropped, {done.hours:,} hours compacted; {done.seconds:.1f} s, {done.lines / max(done.seconds, 1e-9):,.0f} "
+          "lines/s", file=sys.stderr)
+    return 1 if done.dropped or done.rejected else 0
 
 
 def rules(args: argparse.Namespace) -> int:
@@ -165,6 +223,18 @@ def parser() -> argparse.ArgumentParser:
     p_rules.add_argument("--slo", required=True, help="the objectives file (serve's --slo)")
     p_rules.add_argument("--kubernetes", action="store_true", help="a PrometheusRule for the Prometheus Operator instead of a rules file")
     p_rules.set_defaults(func=rules)
+
+    p_records = commands.add_parser("records", help="move records between stores: export as JSON lines, import them")
+    records_commands = p_records.add_subparsers(dest="records_command", required=True)
+    p_export = records_commands.add_parser("export", help="write every record (since --since) as JSON lines, each with its stable id")
+    p_export.add_argument("--db", action="append", required=True, help="records store: an SQLite file or postgresql://… (repeat: several)")
+    p_export.add_argument("--db-password-file", default="", help="file holding the PostgreSQL password (default: $LLMPROXY_RECORDS_DB_PASSWORD_FILE)")
+    p_export.add_argument("--since", default="", help="only requests that ended in this window: 90s, 30m, 1h, 2d")
+    p_export.set_defaults(func=records_export)
+    p_import = records_commands.add_parser("import", help="read JSON lines from stdin into a store (the ids it holds are skipped)")
+    p_import.add_argument("--db", required=True, help="records store: an SQLite file or postgresql://…")
+    p_import.add_argument("--db-password-file", default="", help="file holding the PostgreSQL password (default: $LLMPROXY_RECORDS_DB_PASSWORD_FILE)")
+    p_import.set_defaults(func=records_import)
 
     p_load = commands.add_parser("load", help="send a bounded traffic mix (chat/completions, stream or not, some errors)")
     p_load.add_argument("--base-url", default="http://127.0.0.1:8080/v1")

@@ -81,8 +81,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("records_buffer", int, 50_000, "records waiting for the store at most (it is down or slow); past it, or past --records-buffer-bytes, the oldest are dropped and counted"),
     Option("records_buffer_bytes", int, 64 * 1024 * 1024, "bytes of records (as JSON) waiting for the store at most"),
     Option("instance", str, "", "this replica's name on its records (default: $POD_NAME, else HOSTNAME:PORT)"),
-    Option("records_max_rows", int, 1_000_000, "records kept in the database at most (oldest deleted first; 0: no limit)"),
-    Option("records_max_age", float, 7 * 24 * 3600.0, "seconds a record is kept in the database (0: no limit)"),
+    Option("records_max_rows", int, -1, "records kept in the database at most (-1: the store's default, 1,000,000 in SQLite, none in PostgreSQL, where age alone bounds it; 0: no limit). SQLite deletes the oldest records; PostgreSQL drops its oldest days whole"),
+    Option("records_max_age", float, 7 * 24 * 3600.0, "seconds a record and the aggregates are kept in the database (0: no limit); PostgreSQL drops a day once all of it is older"),
     Option("log_requests", bool, False, "log one JSON line per finished request (timings only, no text)"),
     Option("log_level", str, "warning", "log level of the proxy and uvicorn"),
 )
@@ -151,7 +151,7 @@ class Settings:
     records_buffer: int = 50_000
     records_buffer_bytes: int = 64 * 1024 * 1024
     instance: str = ""
-    records_max_rows: int = 1_000_000
+    records_max_rows: int = -1
     records_max_age: float = 7 * 24 * 3600.0
     log_requests: bool = False
     log_level: str = "warning"

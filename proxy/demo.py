@@ -193,18 +193,20 @@ def run_batching(proxy_url: str, sim_url: str, repeats: int) -> None:
         httpx.post(f"{sim_url}/sim/config", json={"batch_alpha_ms": 0, "batch_beta_ms": 0}).raise_for_status()
 
 
-def print_slo(records: list[dict[str, Any]], objectives: Any) -> None:
+def print_slo(store: Any, objectives: Any) -> None:
     from rich.console import Console
     from rich.table import Table
 
     from . import budget
-    from .explain import explain
+    from .explain import explain, gather
+    from .records.aggregate import read
+    from .records.sql import Window
 
-    report = explain(records, objectives=objectives)
+    report = explain(gather([store]), objectives=objectives)
     table = Table(title="Service-level objectives, judged on every request above (--slo)")
     for column in ("slo", "objectives", "judged", "attainment", "target", "budget left", "goodput", "misses by blamed phase", "capacity"):
         table.add_column(column, justify="right", no_wrap=True)
-    summaries = budget.summary(records, objectives)
+    summaries = budget.summary(read([store], ("slo",), Window()), objectives)
     for o in objectives:
         s = summaries[o.name]
         stated = " ".join(f"{name} {value * 1000:g}ms" if value < 1 else f"{name} {value:g}s" for name, value in o.thresholds.items())
@@ -333,13 +335,14 @@ def run_demo(repeats: int = 3, output_tokens: int = 100) -> int:
     print_table(summarise(records[:cases], repeats, output_tokens))
     print_reasoning(reasoning_rows(records[cases : cases + reasoning], repeats), output_tokens)
     print_apis(records[cases + reasoning :], output_tokens)
-    from .explain import explain, load, render
+    from .explain import explain, gather, render
+    from .records import open_backend
     from .slo import load as load_objectives
 
     objectives = load_objectives(slo_path)
-    everything = load([records_db])
-    print_slo(everything, objectives)
+    store = open_backend(records_db)
+    print_slo(store, objectives)
     print(f"\nllm-latency-proxy explain --db {records_db} --slo {slo_path}   (the demo's traffic, from its records database)\n")
-    print(render(explain(everything, objectives=objectives)))
+    print(render(explain(gather([store]), objectives=objectives)))
     print(f"With a proxy running, {proxy_url.rsplit(':', 1)[0]}:PORT/ui shows every request as it finishes (the demo's was {proxy_url}/ui).")
     return 0

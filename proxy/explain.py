@@ -12,21 +12,34 @@ it:
   ITL ≈ α + β·concurrency, so "100 tok/s per request" holds only near batch 1.
 
 Fits are Theil–Sen (the median of pairwise slopes): a few stalled requests do not bend them.
+
+Nothing here reads a record: the store counts the window (records/aggregate.py) and sends its
+aggregates and a bounded sample of each fit's points, so a day of a fleet's traffic is read in
+seconds. Percentiles come from log histograms (within 1%); a fit's slope and intercept from a
+uniform sample (every point, up to `SAMPLE`), its R² and n from sums over every point.
 """
 from __future__ import annotations
 
 import collections
 import json
-import random
+import os
 import statistics
+import tempfile
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable
 
 from . import budget
+from .records import Backend, open_backend
+from .records.aggregate import Aggregate, read
+from .records.sql import PAIRS, SAMPLE, Window
+from .records import columns as C
 from .slo import Objective
 
 PHASES = ("client", "network", "tokenize", "queue", "load", "prefill", "reasoning", "decode", "server", "proxy")
-MAX_PAIRS_POINTS = 300  # points sampled for the pairwise slopes (45,000 pairs)
+BY = ("model", "upstream")
+METHOD = {"percentiles": f"from log buckets of ratio {C.GAMMA}: each within {C.GAMMA ** 0.5 - 1:.2%} of the value",
+          "fits": f"Theil-Sen: the slope from {PAIRS} points, the intercept from {SAMPLE}, of a uniform sample (every point below that); "
+                  "R² and n over every point"}
 
 
 @dataclass
@@ -40,19 +53,22 @@ class Fit:
         return self.intercept + self.slope * x
 
 
-def theil_sen(xs: list[float], ys: list[float], seed: int = 0) -> Fit | None:
-    """Median of pairwise slopes, median intercept; None without two distinct x values."""
-    points = list(zip(xs, ys))
+def theil_sen(points: list[tuple[float, float]], sums: list[float] | None = None) -> Fit | None:
+    """The median of the pairwise slopes of the first `PAIRS` points (callers pass a uniform sample,
+    in its order), the median intercept over all of them; R² and n from the sums over every point
+    (n, Σx, Σy, Σx², Σxy, Σy²) when given, else from the points. None without two distinct x values."""
     if len({x for x, _ in points}) < 2:
         return None
-    sample = random.Random(seed).sample(points, MAX_PAIRS_POINTS) if len(points) > MAX_PAIRS_POINTS else points
-    slopes = [(y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(sample) for x2, y2 in sample[i + 1:] if x2 != x1]
-    slope = statistics.median(slopes)
+    head = points[:PAIRS]
+    slope = statistics.median((y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(head) for x2, y2 in head[i + 1:] if x2 != x1)
     intercept = statistics.median(y - slope * x for x, y in points)
-    mean = statistics.fmean(ys)
-    total = sum((y - mean) ** 2 for y in ys)
-    residual = sum((y - intercept - slope * x) ** 2 for x, y in points)
-    return Fit(intercept, slope, 1.0 - residual / total if total > 0 else 1.0, len(points))
+    if sums is None:
+        sums = [float(len(points)), sum(x for x, _ in points), sum(y for _, y in points), sum(x * x for x, _ in points),
+                sum(x * y for x, y in points), sum(y * y for _, y in points)]
+    n, sx, sy, sxx, sxy, syy = sums
+    total = syy - sy * sy / n
+    residual = max(0.0, syy - 2 * intercept * sy - 2 * slope * sxy + n * intercept ** 2 + 2 * intercept * slope * sx + slope ** 2 * sxx)
+    return Fit(intercept, slope, 1.0 - residual / total if total > 0 else 1.0, int(n))
 
 
 def roofline(params: float, bytes_per_param: float, bandwidth: float, kv_bytes_per_token: float = 0.0, context: float = 0.0) -> float:
@@ -61,58 +77,40 @@ def roofline(params: float, bytes_per_param: float, bandwidth: float, kv_bytes_p
     return bandwidth / (params * bytes_per_param + kv_bytes_per_token * context)
 
 
-def load(paths: Iterable[str], since_s: float = 0.0, model: str = "") -> list[dict[str, Any]]:
-    """Records from one or more stores (records.load: SQLite files, or a fleet's PostgreSQL)."""
-    from .records import load as load_records
-
-    return load_records(list(paths), since_s, model)
-
-
-def _median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
+def gather(stores: Iterable[Backend], window: Window = Window()) -> dict[str, Aggregate]:
+    """Per model and upstream, the aggregates of one or more stores (one per replica, or a fleet's
+    PostgreSQL), with the fits' samples."""
+    groups = read(list(stores), BY, window, samples=True)
+    return {f"{model} @ {upstream}": agg for (model, upstream), agg in sorted(groups.items())}
 
 
-def analyse_group(records: list[dict[str, Any]], hardware: dict[str, float] | None = None,
-                  objectives: tuple[Objective, ...] = ()) -> dict[str, Any]:
+def analyse_group(agg: Aggregate, hardware: dict[str, float] | None = None, objectives: tuple[Objective, ...] = ()) -> dict[str, Any]:
     """Every figure for one model on one upstream, from its successful requests."""
-    ok = [r for r in records if r["outcome"] == "ok"]
-    streams = [r for r in ok if r.get("ttft_s") is not None]
-    report: dict[str, Any] = {"requests": len(records), "ok": len(ok), "streams": len(streams)}
+    report: dict[str, Any] = {"requests": agg.requests, "ok": agg.ok, "streams": agg.streams}
     # Which APIs carried this model's traffic: one engine behind them, so one fit; the split shows who calls it.
-    report["apis"] = dict(collections.Counter(f"{r.get('api', 'openai')} {r.get('endpoint', 'chat')}" for r in records).most_common())
-    xs, ys = [], []
-    for r in streams:
-        if r.get("prompt_tokens") is not None and "prefill" in r["phases_s"]:
-            xs.append(float(r["prompt_tokens"] - (r.get("cached_prompt_tokens") or 0)))
-            ys.append(r["phases_s"]["prefill"])
-    prefill = theil_sen(xs, ys)
+    report["apis"] = dict(sorted(agg.apis.items(), key=lambda item: (-item[1], item[0])))
+    prefill = theil_sen(agg.samples["prefill"], agg.fits["prefill"])
     if prefill is not None:
         report["prefill"] = {**asdict(prefill), "tokens_per_second": 1.0 / prefill.slope if prefill.slope > 0 else None,
                              "fixed_cost_s": prefill.intercept}
-    cx, cy = [], []
-    for r in streams:  # (a slow client's held-back stream is the client's pace, not the engine's: left out)
-        if r.get("decode_tokens_per_second") and r.get("in_flight_at_decode") and r.get("unmeasured") != "client_backpressure":
-            cx.append(float(r["in_flight_at_decode"]))
-            cy.append(1.0 / r["decode_tokens_per_second"])
-    decode = theil_sen(cx, cy)
+    decode = theil_sen(agg.samples["decode"], agg.fits["decode"])
     if decode is not None:
         report["decode"] = {**asdict(decode), "itl_at_1_s": decode.at(1), "tokens_per_second_at_1": 1.0 / decode.at(1)}
-    elif cy:
-        report["decode"] = {"itl_at_1_s": statistics.median(cy), "tokens_per_second_at_1": 1.0 / statistics.median(cy), "n": len(cy),
+    elif agg.count(C.DECODE_ITL):
+        itl = agg.quantile(C.DECODE_ITL) or 0.0
+        report["decode"] = {"itl_at_1_s": itl, "tokens_per_second_at_1": 1.0 / itl, "n": agg.count(C.DECODE_ITL),
                             "note": "one concurrency level only: no slope"}
-    queues = [r["phases_s"]["queue"] for r in streams if "queue" in r["phases_s"]]
-    if queues:
-        report["queue_s_median"] = statistics.median(queues)
-    loads = [r["phases_s"]["load"] for r in ok if r["phases_s"].get("load")]
-    if loads:  # a cold model load (Ollama's load_duration): the first thing to see on a laptop
-        report["load"] = {"requests": len(loads), "median_s": statistics.median(loads), "max_s": max(loads)}
-    phases = {p: statistics.median(r["phases_s"].get(p, 0.0) for r in ok) for p in PHASES if any(p in r["phases_s"] for r in ok)}
+    if agg.count(C.QUEUE):
+        report["queue_s_median"] = agg.quantile(C.QUEUE)
+    if agg.count(C.LOAD):  # a cold model load (Ollama's load_duration): the first thing to see on a laptop
+        report["load"] = {"requests": agg.count(C.LOAD), "median_s": min(agg.quantile(C.LOAD) or 0.0, agg.load_max), "max_s": agg.load_max}
+    phases = {p: agg.quantile(C.PHASE_CODES[p], zeros=agg.ok - agg.count(C.PHASE_CODES[p])) or 0.0
+              for p in PHASES if agg.count(C.PHASE_CODES[p])}
     total = sum(phases.values())
     if total > 0:
         report["budget"] = {p: {"seconds": s, "share": s / total} for p, s in phases.items()}
         report["dominant"] = max(phases, key=phases.__getitem__)
-    outputs = [r["completion_tokens"] - (r.get("hidden_reasoning_tokens") or 0) for r in ok if r.get("completion_tokens")]
-    median_output = _median([float(o) for o in outputs])
+    median_output = agg.quantile(C.OUTPUT)
     if prefill is not None and prefill.slope > 0 and "decode" in report and median_output:
         decode_time = median_output * report["decode"]["itl_at_1_s"]
         report["crossover_prompt_tokens"] = max(0.0, (decode_time - prefill.intercept) / prefill.slope)
@@ -122,29 +120,25 @@ def analyse_group(records: list[dict[str, Any]], hardware: dict[str, float] | No
     network = phases.get("network")
     if network is not None:
         report.setdefault("what_if", {})["halving_network_saves_ms"] = network / 2 * 1000
-    speeds = [r["decode_tokens_per_second"] for r in streams if r.get("decode_tokens_per_second")]
-    if speeds and len(ok) > 1:
-        start = min(r["received_unix_ns"] for r in ok)
-        end = max(r["received_unix_ns"] + r["duration_s"] * 1e9 for r in ok)
-        aggregate = sum(r.get("completion_tokens") or 0 for r in ok) / max(1e-9, (end - start) / 1e9)
-        per_request = statistics.median(speeds)
+    if agg.count(C.DECODE_TPS) and agg.ok > 1:
+        aggregate = agg.completion / agg.ok_span.seconds
+        per_request = agg.quantile(C.DECODE_TPS) or 0.0
         report["throughput"] = {"per_request_decode_tps_median": per_request, "aggregate_output_tps": aggregate,
                                 "aggregate_over_per_request": aggregate / per_request}
     if hardware and "decode" in report:
-        prompts = [float(r.get("prompt_tokens") or 0) for r in ok]
-        context = (_median(prompts) or 0.0) + (median_output or 0.0) / 2
+        context = (agg.quantile(C.PROMPT) or 0.0) + (median_output or 0.0) / 2
         ceiling = roofline(hardware["params"], hardware["bytes_per_param"], hardware["bandwidth"], hardware.get("kv_bytes_per_token", 0.0), context)
         report["roofline"] = {"ceiling_tps": ceiling, "measured_tps_at_1": report["decode"]["tokens_per_second_at_1"],
                               "mbu": report["decode"]["tokens_per_second_at_1"] / ceiling, "context_tokens": context}
-    names = collections.Counter(r["slo"] for r in records if r.get("slo"))
-    if names:  # the SLO its requests were judged against (the file's today: the one that matches the model)
-        name = names.most_common(1)[0][0]
+    if agg.slo_requests:  # the SLO its requests were judged against (the file's today: the one that matches the model)
+        name = agg.slo_requests.most_common(1)[0][0]
         objective = next((o for o in objectives if o.name == name), None)
-        report["slo"] = {"name": name, **budget.attainment(records, name, objective)}
-        cap = budget.capacity(streams, report.get("decode"), objective)
+        report["slo"] = {"name": name, **budget.attainment(agg.slos.get(name), objective)}
+        cap = budget.capacity(agg.levels(), report.get("decode"), objective)
         if cap is not None:
             report["capacity"] = cap
     report["diagnosis"] = diagnosis(report)
+    report["method"] = METHOD
     return report
 
 
@@ -171,18 +165,31 @@ def diagnosis(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def explain(records: list[dict[str, Any]], hardware: dict[str, float] | None = None,
+def explain(groups: dict[str, Aggregate], hardware: dict[str, float] | None = None,
             objectives: tuple[Objective, ...] = ()) -> dict[str, Any]:
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for r in records:
-        groups.setdefault((r["model"], r.get("upstream", "")), []).append(r)
-    return {f"{model} @ {upstream}": analyse_group(rs, hardware, objectives) for (model, upstream), rs in sorted(groups.items())}
+    return {name: analyse_group(agg, hardware, objectives) for name, agg in groups.items()}
+
+
+def of_records(records: list[dict[str, Any]]) -> Backend:
+    """A store holding these records (a temporary SQLite file, written by the stores' own write path),
+    for a report on records in hand: the demo's sections, a test's fixed set."""
+    from .records import Writer
+
+    path = os.path.join(tempfile.mkdtemp(prefix="llmproxy-explain-"), "records.sqlite")
+    store = open_backend(path, max_rows=0, max_age_s=0)
+    store.open()
+    try:
+        for start in range(0, len(records), 1000):
+            store.write([Writer.row(json.dumps(record).encode()) for record in records[start:start + 1000]])
+    finally:
+        store.close()
+    return store
 
 
 def render(report: dict[str, Any]) -> str:
     """The text report: one block per model and upstream."""
     ms = lambda s: f"{s * 1000:.2f} ms" if s < 1 else f"{s:.3f} s"  # noqa: E731
-    out = []
+    out = [f"(percentiles {METHOD['percentiles']}; fits {METHOD['fits']})", ""] if report else []
     for name, g in report.items():
         out.append(f"== {name}: {g['requests']} requests, {g['ok']} ok, {g['streams']} streamed")
         if g.get("apis"):
@@ -231,9 +238,10 @@ def to_json(report: dict[str, Any]) -> str:
     return json.dumps(report, indent=2)
 
 
-def plot(records: list[dict[str, Any]], report: dict[str, Any], path: str) -> None:
+def plot(groups: dict[str, Aggregate], report: dict[str, Any], path: str) -> None:
     """Per model and upstream: prefill seconds vs uncached prompt tokens with the fit, and seconds
-    per output token vs requests in flight with the fit (matplotlib: `pip install '.[plot]'`)."""
+    per output token vs requests in flight with the fit, over the fits' samples (matplotlib:
+    `pip install '.[plot]'`)."""
     try:
         import matplotlib
     except ImportError:
@@ -244,10 +252,8 @@ def plot(records: list[dict[str, Any]], report: dict[str, Any], path: str) -> No
     names = list(report)
     fig, axes = plt.subplots(len(names), 2, figsize=(11, 3.6 * max(1, len(names))), squeeze=False)
     for row, name in enumerate(names):
-        group = [r for r in records if f"{r['model']} @ {r.get('upstream', '')}" == name and r["outcome"] == "ok" and r.get("ttft_s") is not None]
         g, left, right = report[name], axes[row][0], axes[row][1]
-        xs = [r["prompt_tokens"] - (r.get("cached_prompt_tokens") or 0) for r in group if r.get("prompt_tokens") is not None and "prefill" in r["phases_s"]]
-        ys = [r["phases_s"]["prefill"] for r in group if r.get("prompt_tokens") is not None and "prefill" in r["phases_s"]]
+        xs, ys = [x for x, _ in groups[name].samples["prefill"]], [y for _, y in groups[name].samples["prefill"]]
         left.scatter(xs, ys, s=8, alpha=0.6)
         if "prefill" in g and xs:
             p = g["prefill"]
@@ -255,8 +261,7 @@ def plot(records: list[dict[str, Any]], report: dict[str, Any], path: str) -> No
                       label=f"{p['tokens_per_second'] or 0:,.0f} tok/s + {p['fixed_cost_s'] * 1000:.1f} ms (R² {p['r2']:.2f})")
             left.legend(loc="upper left")
         left.set(title=f"{name}: prefill", xlabel="uncached prompt tokens", ylabel="prefill seconds")
-        cx = [r["in_flight_at_decode"] for r in group if r.get("decode_tokens_per_second") and r.get("in_flight_at_decode")]
-        cy = [1000 / r["decode_tokens_per_second"] for r in group if r.get("decode_tokens_per_second") and r.get("in_flight_at_decode")]
+        cx, cy = [x for x, _ in groups[name].samples["decode"]], [1000 * y for _, y in groups[name].samples["decode"]]
         right.scatter(cx, cy, s=8, alpha=0.6)
         d = g.get("decode", {})
         if "slope" in d and cx:

@@ -13,7 +13,9 @@ import openai
 import pytest
 
 from proxy import budget
-from proxy.explain import explain
+from proxy.explain import explain, gather, of_records
+from proxy.records.aggregate import read
+from proxy.records.sql import Window
 from proxy.slo import parse
 
 from servers import ProxyServer, Simulator
@@ -37,7 +39,8 @@ def record(good, blame=None, decode_tps=None, in_flight=None, at=0.0):
 def test_attainment_budget_and_misses_from_records():
     records = [record(True, at=i) for i in range(16)] + [record(False, {"ttft": "queue"}, at=16), record(False, {"ttft": "queue"}, at=17),
                                                          record(False, {"ttft": "prefill", "tpot": "decode"}, at=18), record(None, at=19)]
-    s = budget.attainment(records, "chat", OBJECTIVES[0])
+    by_slo = read([of_records(records)], ("slo",), Window())  # (through a store: what explain reads)
+    s = budget.attainment(by_slo[("chat",)].slos["chat"], OBJECTIVES[0])
     assert (s["judged"], s["good"], s["bad"]) == (19, 16, 3)
     assert s["attainment"] == pytest.approx(16 / 19)
     assert s["budget_left"] == pytest.approx(1 - (3 / 19) / 0.1)  # overspent: below 0
@@ -48,11 +51,11 @@ def test_attainment_budget_and_misses_from_records():
 
 
 def test_capacity_needs_several_concurrency_levels_and_a_slope():
-    one_level = [record(True, decode_tps=50.0, in_flight=4) for _ in range(10)]
+    one_level = {4: 10}  # decoding requests per concurrency level
     c = budget.capacity(one_level, {"intercept": 0.01, "slope": 0.002}, OBJECTIVES[0])
     assert c["streams"] is None and "3 or more concurrency levels" in c["note"] and c["peak_streams"] == 4
     assert budget.capacity(one_level, None, parse("objectives:\n  - name: e\n    models: [x]\n    e2e: 1\n    target: 0.9\n")[0]) is None
-    levels = [record(True, decode_tps=1 / (0.01 + 0.002 * c), in_flight=c) for c in (1, 2, 4) for _ in range(3)]
+    levels = {1: 3, 2: 3, 4: 3}
     c = budget.capacity(levels, {"intercept": 0.01, "slope": 0.002}, OBJECTIVES[0])
     assert c["streams"] == pytest.approx(10.0) and c["peak_streams"] == 4 and c["headroom"] == pytest.approx(2.5) and "note" not in c
     flat = budget.capacity(levels, {"intercept": 0.01, "slope": 0.0}, OBJECTIVES[0])
@@ -112,7 +115,7 @@ def test_capacity_matches_the_batching_law_within_ten_percent(tmp_path: Path):
 
 def test_explain_reports_the_slo_and_capacity_keys_per_model_group():
     records = [record(True, decode_tps=1 / (0.01 + 0.002 * c), in_flight=c, at=i) for i, c in enumerate((1, 2, 4) * 3)]
-    report = explain(records, objectives=OBJECTIVES)
+    report = explain(gather([of_records(records)]), objectives=OBJECTIVES)
     group = report["batch-7b @ u"]
     assert group["slo"]["name"] == "chat" and group["slo"]["attainment"] == 1.0
     assert group["capacity"]["streams"] == pytest.approx(10.0, rel=1e-6) and group["capacity"]["peak_streams"] == 4

@@ -9,7 +9,8 @@ import httpx
 import pytest
 
 from servers import ROOT, ProxyServer, Simulator
-from proxy.explain import explain, load, roofline, theil_sen
+from proxy.explain import explain, gather, of_records, roofline, theil_sen
+from proxy.records import open_backend
 
 PREFILL_TPS, FIXED_S, ITL_1, ITL_PER_REQUEST = 5000.0, 0.02, 0.010, 0.0004
 
@@ -37,7 +38,7 @@ def synthetic(n: int = 400, seed: int = 1) -> list[dict]:
 
 def test_synthetic_truth_is_recovered():
     records = synthetic()
-    g = explain(records)["m @ u"]
+    g = explain(gather([of_records(records)]))["m @ u"]
     assert g["prefill"]["tokens_per_second"] == pytest.approx(PREFILL_TPS, rel=0.05)
     assert g["prefill"]["fixed_cost_s"] == pytest.approx(FIXED_S, rel=0.25, abs=0.005)
     assert g["decode"]["tokens_per_second_at_1"] == pytest.approx(100.0, rel=0.05)
@@ -57,9 +58,9 @@ def test_theil_sen_ignores_outliers_and_needs_spread():
     xs = [float(x) for x in range(20)]
     ys = [2.0 + 0.5 * x for x in xs]
     ys[3], ys[17] = 100.0, -50.0
-    fit = theil_sen(xs, ys)
+    fit = theil_sen(list(zip(xs, ys)))
     assert fit is not None and fit.slope == pytest.approx(0.5) and fit.intercept == pytest.approx(2.0)
-    assert theil_sen([1.0, 1.0], [2.0, 3.0]) is None
+    assert theil_sen([(1.0, 2.0), (1.0, 3.0)]) is None
 
 
 def test_roofline_arithmetic_of_the_background_reading():
@@ -67,7 +68,7 @@ def test_roofline_arithmetic_of_the_background_reading():
     assert roofline(7e9, 2, 3.35e12) == pytest.approx(239.29, abs=0.01)
     # plus a 7B model's KV cache (32 layers x 4096 x K and V x 2 bytes = 0.5 MiB per token) at 1k context
     assert roofline(7e9, 2, 3.35e12, 524_288, 1000) == pytest.approx(3.35e12 / (14e9 + 524_288_000), rel=1e-9)
-    g = explain(synthetic(), {"params": 7e9, "bytes_per_param": 2, "bandwidth": 3.35e12})["m @ u"]
+    g = explain(gather([of_records(synthetic())]), {"params": 7e9, "bytes_per_param": 2, "bandwidth": 3.35e12})["m @ u"]
     assert g["roofline"]["mbu"] == pytest.approx(g["decode"]["tokens_per_second_at_1"] / 239.29, rel=0.001)
 
 
@@ -86,7 +87,7 @@ def test_real_traffic_through_the_simulator_at_two_prefill_rates(tmp_path):
             httpx.post(f"{proxy.url}/api/chat", json={"model": "laptop", "messages": [{"role": "user", "content": "hi"}], "options": {"num_predict": 5}},
                        headers={"x-sim-load-ms": load_ms, "x-sim-ttft-ms": "20"}, timeout=30).raise_for_status()
         proxy.wait_records(23)
-        report = explain(load([str(path)]))
+        report = explain(gather([open_backend(str(path))]))
         png = tmp_path / "fits.png"
         out = subprocess.run([sys.executable, "-m", "proxy", "explain", "--db", str(path), "--plot", str(png)], cwd=ROOT,
                              capture_output=True, text=True, timeout=120)
@@ -96,8 +97,8 @@ def test_real_traffic_through_the_simulator_at_two_prefill_rates(tmp_path):
     upstream = proxy.settings.upstream_label
     assert report[f"fast @ {upstream}"]["prefill"]["tokens_per_second"] == pytest.approx(5000, rel=0.10)
     assert report[f"slow @ {upstream}"]["prefill"]["tokens_per_second"] == pytest.approx(1000, rel=0.10)
-    assert report[f"slow @ {upstream}"]["apis"] == {"openai chat": 5, "anthropic messages": 5}
-    assert "apis: openai chat 5, anthropic messages 5" in out.stdout
+    assert report[f"slow @ {upstream}"]["apis"] == {"anthropic messages": 5, "openai chat": 5}
+    assert "apis: anthropic messages 5, openai chat 5" in out.stdout
     cold = report[f"laptop @ {upstream}"]["load"]
     assert cold["requests"] == 1 and cold["median_s"] == pytest.approx(0.300, abs=0.015)
     assert "model load (engine-reported): 1 of 3 requests waited for it" in out.stdout

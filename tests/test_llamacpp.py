@@ -241,7 +241,8 @@ def test_the_anthropic_messages_api_against_llama_cpp(engine, via):
 def test_explain_over_llama_cpp_agrees_with_its_timings(engine, tmp_path):
     """`explain` over real llama.cpp traffic (prompts of 1 to 16 lines, from its records database):
     its fitted prefill and decode rates agree with the engine's own `timings` of the same requests."""
-    from proxy.explain import explain, load, render
+    from proxy.explain import explain, gather, render
+    from proxy.records import open_backend
 
     path = tmp_path / "records.sqlite"
     server = ProxyServer(f"{engine.url}/v1", records_db=str(path))
@@ -252,7 +253,7 @@ def test_explain_over_llama_cpp_agrees_with_its_timings(engine, tmp_path):
         records = server.wait_records(16)[1:]
     finally:
         server.stop()
-    report = explain(load([str(path)]))
+    report = explain(gather([open_backend(str(path))]))
     (group,) = report.values()
     engine_prefill = statistics.median(r["engine"]["prompt_tokens"] / r["engine"]["prompt_s"] for r in records)
     engine_itl = statistics.median(r["engine"]["per_token_s"] for r in records)

@@ -19,8 +19,10 @@ import pytest
 
 from proxy.demo import free_port
 from proxy.records import Filters, Writer
-from proxy.records.postgres import SCHEMA_VERSION, TABLE, PostgresBackend, migrate, connect, redact
+from proxy.records import columns as C
+from proxy.records.postgres import STORE_VERSION, TABLE, PostgresBackend, migrate, connect, redact
 
+import fleet
 from servers import ROOT, Postgres, Process, scraped
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -33,10 +35,14 @@ def pg() -> Iterator[Postgres]:
     server.destroy()
 
 
+TABLES = (TABLE, "llmproxy_rollup", "llmproxy_hist", "llmproxy_compacted", "llmproxy_dirty")
+
+
 @pytest.fixture
 def clean(pg: Postgres) -> Postgres:
-    if pg.query("SELECT to_regclass('llmproxy_requests')")[0][0] is not None:
-        pg.query(f"TRUNCATE {TABLE}")
+    if pg.query(f"SELECT to_regclass('{TABLE}')")[0][0] is not None:
+        pg.query(f"TRUNCATE {', '.join(TABLES)}")
+    pg.query("DROP TABLE IF EXISTS llmproxy_requests")  # (schema 1's, which a test may have made)
     return pg
 
 
@@ -206,7 +212,7 @@ def test_sigterm_flushes_what_is_buffered(sim, clean, tmp_path):
 
 def test_concurrent_starts_migrate_once_and_a_newer_schema_is_refused(clean):
     pg = clean
-    pg.query(f"DROP TABLE IF EXISTS {TABLE}, llmproxy_meta")
+    pg.query(f"DROP TABLE IF EXISTS {', '.join(TABLES)}, llmproxy_meta")
 
     def open_one(_: int) -> None:
         with connect(pg.dsn, str(pg.password_file)) as conn:
@@ -214,34 +220,48 @@ def test_concurrent_starts_migrate_once_and_a_newer_schema_is_refused(clean):
 
     with ThreadPoolExecutor(8) as pool:  # replicas starting together: the advisory lock serialises them
         list(pool.map(open_one, range(8)))
-    assert pg.query("SELECT value FROM llmproxy_meta WHERE key = 'schema_version'") == [(str(SCHEMA_VERSION),)]
-    pg.query("UPDATE llmproxy_meta SET value = '99' WHERE key = 'schema_version'")
+    assert pg.query("SELECT value FROM llmproxy_meta WHERE key = 'store_version'") == [(str(STORE_VERSION),)]
+    pg.query("UPDATE llmproxy_meta SET value = '99' WHERE key = 'store_version'")
     backend = PostgresBackend(pg.dsn, 0, 0.0, str(pg.password_file))
     from proxy.records import Unavailable
 
     with pytest.raises(Unavailable, match="newer than this proxy"):
         backend.open()
-    pg.query("UPDATE llmproxy_meta SET value = %s WHERE key = 'schema_version'", str(SCHEMA_VERSION))
+    pg.query("UPDATE llmproxy_meta SET value = %s WHERE key = 'store_version'", str(STORE_VERSION))
 
 
-def test_retention_by_rows_and_age(clean):
+def fleet_record() -> dict[str, Any]:
+    return next(fleet.records(1, time.time_ns(), 1.0))
+
+
+def partitions(pg: Postgres, parent: str = TABLE) -> list[str]:
+    return sorted(name for (name,) in pg.query("SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
+                                               "WHERE i.inhparent = %s::regclass", parent))
+
+
+def test_retention_drops_whole_days_past_the_age_and_the_row_cap(clean):
+    """Records of five days ago to today: past the age limit their days' partitions go whole (no DELETE),
+    the aggregates' with them; a row cap drops the oldest days while the newer ones hold it."""
     pg = clean
-    errors: list[int] = []
-    backend = PostgresBackend(pg.dsn, 40, 0.0, str(pg.password_file))
-    writer = Writer(backend, "pod-t", 1000, 10**7, lambda: errors.append(1), lambda *_: None, retain_every_s=0.0)
-    record = {"endpoint": "chat", "stream": True, "outcome": "ok", "model": "m", "upstream": "u", "api": "openai"}
-    for _ in range(100):
-        writer.add(record)
-    writer.flush()
-    assert rows(pg) == 40
-    assert pg.query(f"SELECT min(id) > (SELECT max(id) - 40 FROM {TABLE}) FROM {TABLE}") == [(True,)]  # the newest 40 kept
-    backend.max_rows, backend.max_age_s = 0, 0.5
-    time.sleep(0.6)
-    writer.add(record)
-    writer.flush()
-    writer.close()
-    assert rows(pg) == 1 and not errors
-    assert writer.recent(10, Filters(instance="pod-t"))[0]["model"] == "m"
+    today = time.time_ns() // 86400_000_000_000
+    store = PostgresBackend(pg.dsn, -1, 7 * 86400.0, str(pg.password_file))
+    store.open()
+    for back in range(5, -1, -1):  # 20 records a day, ending at noon
+        noon = (today - back) * 86400_000_000_000 + 43_200_000_000_000
+        store.write([Writer.row(json.dumps({**fleet_record(), "id": f"d{back}-{i}", "received_unix_ns": noon + i, "duration_s": 0.1}).encode())
+                     for i in range(20)])
+    days = partitions(pg)
+    assert len(days) >= 6 + 2 and rows(pg) == 120  # six days of records, and partitions made ahead
+    store.max_age_s = (time.time_ns() - (today - 3) * 86400_000_000_000) / 1e9 - 60  # the cutoff a minute into day -3: days -5, -4 wholly past
+    store.retain()
+    assert rows(pg) == 80 and len(partitions(pg)) == len(days) - 2
+    assert [name for name in days if name not in partitions(pg)] == days[:2]
+    assert len(partitions(pg, "llmproxy_hist")) == len(partitions(pg)) == len(partitions(pg, "llmproxy_rollup"))
+    assert pg.query("SELECT min(hour) FROM llmproxy_rollup")[0][0] >= (today - 3) * 24
+    store.max_rows = 30  # the oldest days go while the newer ones hold 30 records (the planner's count): today and yesterday stay
+    store.retain()
+    assert rows(pg) == 40 and pg.query(f"SELECT min(ended_ns) FROM {TABLE}")[0][0] >= (today - 1) * 86400_000_000_000
+    store.close()
 
 
 def test_a_wrong_password_costs_requests_nothing_and_is_not_logged(sim, clean, tmp_path):
@@ -263,3 +283,89 @@ def test_a_wrong_password_costs_requests_nothing_and_is_not_logged(sim, clean, t
     log = (tmp_path / "wrong.log").read_text()
     assert "password authentication failed" in log and redact(pg.dsn.replace("@", ":x@")) in log
     assert "inline-PASSWORD" not in log + metrics and "not-the-password" not in log + metrics
+
+
+def test_the_fleet_store_answers_as_every_record_did_compacted_or_not(clean):
+    """The fixed set (test_aggregate.py) through PostgreSQL: the same answers as today's explain over its
+    records, read from the records, then from the compacted hours."""
+    import explain_reference
+    from test_aggregate import differences, fixed_set
+
+    from proxy.explain import explain, gather
+
+    pg = clean
+    records = fixed_set()
+    store = PostgresBackend(pg.dsn, -1, 7 * 86400.0, str(pg.password_file))
+    store.open()
+    try:
+        rows_ = [Writer.row(json.dumps(r).encode()) for r in records]
+        assert sum(store.write(rows_[i:i + 500]) for i in range(0, len(rows_), 500)) == len(records)
+        assert store.write(rows_[:500]) == 0  # a batch sent again: stored, and counted, once
+        truth = explain_reference.explain(records, objectives=fleet.OBJECTIVES)
+        assert differences(explain(gather([store]), objectives=fleet.OBJECTIVES), truth) == []
+        assert store.compact() >= 6
+        assert differences(explain(gather([store]), objectives=fleet.OBJECTIVES), truth) == []
+    finally:
+        store.close()
+
+
+def test_schema_1_moves_in_place_while_old_replicas_keep_writing(clean):
+    """A rolling upgrade: a store of schema 1 with records; a replica of this version starts (and moves
+    them in, as they were: ids, end times, aggregates) while one of the old version keeps writing to its
+    table (it checks schema_version, which stays 1), whose records follow."""
+    import explain_reference
+    import schema1
+    from test_aggregate import differences
+
+    from proxy.explain import explain, gather
+
+    pg = clean
+    pg.query(f"DROP TABLE IF EXISTS {', '.join(TABLES)}, llmproxy_meta")
+    records = list(fleet.records(350, time.time_ns() - 3 * 3600 * 10**9, 3 * 3600, models=6, instances=3, seed=7))
+    with connect(pg.dsn, str(pg.password_file)) as old:
+        schema1.postgres_create(old)
+        schema1.postgres_write(old, records[:300])
+        new = PostgresBackend(pg.dsn, -1, 7 * 86400.0, str(pg.password_file))
+        new.open()
+        assert new.pending() == 300 and pg.query("SELECT value FROM llmproxy_meta WHERE key = 'schema_version'") == [("1",)]
+        schema1.postgres_write(old, records[300:320])  # the old replica, after the new one's migration
+        while new.pending():
+            new.retain()
+        schema1.postgres_write(old, records[320:])
+        schema1.postgres_write(old, records[320:])  # (a batch it sent twice)
+    new.retain()
+    new.close()
+    assert new.pending() == 0 and rows(pg) == 350
+    stored = {r["id"] for r in (json.loads(d) for (d,) in pg.query(f"SELECT data FROM {TABLE}"))}
+    assert stored == {r["id"] for r in records}  # each under its own id
+    got = explain(gather([new]), objectives=fleet.OBJECTIVES)
+    assert differences(got, explain_reference.explain(records, objectives=fleet.OBJECTIVES)) == []
+
+
+def test_records_move_from_sqlite_to_postgresql_and_an_import_again_skips_them(clean, tmp_path):
+    """`records export` from the embedded store, `records import` into the fleet's: every record, under its
+    id, with the same explain; the same lines again store nothing."""
+    from proxy.explain import explain, gather, of_records
+    from test_aggregate import differences
+
+    pg = clean
+    records = list(fleet.records(2000, time.time_ns() - 5 * 3600 * 10**9, 5 * 3600, models=8, instances=2, seed=9))
+    sqlite_store = of_records(records)
+    lines = subprocess.run([sys.executable, "-m", "proxy", "records", "export", "--db", sqlite_store.where], capture_output=True, timeout=120,
+                           cwd=ROOT, check=True).stdout
+    assert lines.count(b"\n") == 2000
+    command = [sys.executable, "-m", "proxy", "records", "import", "--db", pg.dsn, "--db-password-file", str(pg.password_file)]
+    first = subprocess.run(command, input=lines, capture_output=True, timeout=300, cwd=ROOT)
+    assert first.returncode == 0, first.stderr
+    assert b"2,000 lines read, 2,000 records stored, 0 skipped" in first.stderr
+    again = subprocess.run(command, input=lines, capture_output=True, timeout=300, cwd=ROOT)
+    assert again.returncode == 0 and b"2,000 lines read, 0 records stored, 2,000 skipped" in again.stderr, again.stderr
+    assert rows(pg) == 2000
+    store = PostgresBackend(pg.dsn, -1, 7 * 86400.0, str(pg.password_file))
+    assert differences(explain(gather([store]), objectives=fleet.OBJECTIVES), explain(gather([sqlite_store]), objectives=fleet.OBJECTIVES)) == []
+    before = time.time_ns()
+    exported = subprocess.run([sys.executable, "-m", "proxy", "records", "export", "--db", pg.dsn, "--db-password-file", str(pg.password_file),
+                               "--since", "2h"], capture_output=True, timeout=120, cwd=ROOT, check=True).stdout
+    ids = {json.loads(line)["id"] for line in exported.splitlines()}
+    since = lambda at: {r["id"] for r in records if C.ended_ns(r) >= at - 7200 * 10**9}  # noqa: E731
+    assert since(time.time_ns()) <= ids <= since(before) and len(ids) > 500  # (the boundary moved while the command started)

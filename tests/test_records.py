@@ -8,13 +8,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import orjson
 import openai
 import pytest
 
 from servers import Process
 from proxy.demo import free_port
-from proxy.records import Writer
-from proxy.records.sqlite import SQLiteBackend, recent
+from proxy.records import Filters, Writer
+from proxy.records.sqlite import SQLiteBackend
 
 pytestmark = pytest.mark.e2e
 KEY = "sk-live-RECORDS-SECRET-0123456789"
@@ -22,11 +23,23 @@ PROMPT = "PROMPT-MARKER-6d1f2 tell me about the weather"
 
 
 def rows(path: Path) -> list[tuple]:
+    """(pid, model, endpoint, outcome) of every stored record (the pid: from its id, instance/pid/boot/seq)."""
     db = sqlite3.connect(path)
     try:
-        return db.execute("SELECT pid, model, endpoint, outcome FROM requests ORDER BY id").fetchall()
+        return [(rid.split("/")[-3], *rest) for rid, *rest in db.execute("SELECT rid, model, endpoint, outcome FROM llmproxy_records ORDER BY id")]
     finally:
         db.close()
+
+
+def recent(path: str, limit: int) -> list[bytes]:
+    return SQLiteBackend(path).recent(limit, Filters())
+
+
+def until(condition, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
 
 
 def test_every_outcome_is_written_and_nothing_secret_is(proxy_factory, tmp_path):
@@ -93,7 +106,9 @@ def test_every_worker_writes_and_nothing_is_lost(tmp_path, sim):
     assert len({pid for pid, *_ in stored}) == 2, "both workers wrote"
 
 
-RECORD = {"endpoint": "chat", "stream": True, "outcome": "ok", "model": "m", "upstream": "u", "api": "openai"}
+def record(**fields) -> dict:
+    return {"endpoint": "chat", "stream": True, "outcome": "ok", "model": "m", "upstream": "u", "api": "openai",
+            "received_unix_ns": time.time_ns(), "duration_s": 0.1, **fields}
 
 
 def writer(path: str, errors: list[int], drops: list[tuple[str, int]] | None = None, **limits) -> Writer:
@@ -107,13 +122,13 @@ def test_retention_keeps_rows_and_age_bounded(tmp_path):
     errors: list[int] = []
     store = writer(path, errors, max_rows=50, max_age_s=1.0)
     for _ in range(200):
-        store.add(RECORD)
+        store.add(record())
     store.flush()
-    assert len(recent(path, 1000)) == 50
+    assert until(lambda: len(recent(path, 1000)) == 50)  # (retention runs every second)
     time.sleep(1.2)
-    store.add(RECORD)
+    store.add(record())
     store.flush()
-    assert len(recent(path, 1000)) == 1  # the 50 older than max_age are gone
+    assert until(lambda: len(recent(path, 1000)) == 1)  # the 50 older than max_age are gone
     store.close()
     assert not errors
 
@@ -122,18 +137,18 @@ def test_a_locked_file_is_counted_and_written_once_free(tmp_path):
     path = str(tmp_path / "r.sqlite")
     errors: list[int] = []
     store = writer(path, errors, busy_timeout_s=0.2)
-    store.add(RECORD)
+    store.add(record())
     store.flush()
     holder = sqlite3.connect(path, isolation_level=None)
     holder.execute("BEGIN EXCLUSIVE")  # another process holding the write lock
-    store.add(RECORD)
+    store.add(record())
     deadline = time.monotonic() + 5
     while not errors and time.monotonic() < deadline:
         time.sleep(0.05)
     assert errors, "the locked write was counted"
     holder.execute("ROLLBACK")
     holder.close()
-    store.add(RECORD)
+    store.add(record())
     store.flush(timeout=10)
     store.close()
     assert len(recent(path, 10)) == 3  # the one added during the lock waited in the buffer, and went in once the file was free
@@ -146,7 +161,7 @@ def test_past_the_buffer_the_oldest_are_dropped_and_counted(tmp_path):
     drops: list[tuple[str, int]] = []
     store = writer(str(blocker / "r.sqlite"), errors, drops, max_records=10)
     for i in range(25):
-        store.add({**RECORD, "model": f"m{i}"})
+        store.add(record(model=f"m{i}"))
     assert sum(n for reason, n in drops if reason == "buffer_full") == 15 and store.buffered == 10  # the 15 oldest went
     store.close(timeout=0.5)
     assert [(reason, n) for reason, n in drops if reason == "shutdown"] == [("shutdown", 10)] and errors  # the rest, at the deadline
@@ -162,3 +177,34 @@ def test_a_corrupt_file_never_reaches_a_request(proxy_factory, tmp_path):
     records = proxy.wait_records(3)  # served from memory when the database cannot be read
     assert len(records) == 3 and all(r["outcome"] == "ok" for r in records)
     assert proxy.sample("llmproxy_telemetry_errors_total", {"component": "records"}) >= 1
+
+
+def test_a_schema_1_file_is_moved_in_place_while_an_old_worker_keeps_writing(tmp_path):
+    """An embedded store written by the previous version: its records move into this schema (their own
+    end times, their aggregates), while a worker of the old version still running on the file (a
+    restart) keeps writing to its table, whose records follow them."""
+    import explain_reference
+    import fleet
+    import schema1
+    from test_aggregate import differences
+
+    from proxy.explain import explain, gather
+
+    path = str(tmp_path / "old.sqlite")
+    records = list(fleet.records(520, time.time_ns() - 3 * 3600 * 10**9, 3 * 3600, models=6, instances=1, seed=5))
+    schema1.sqlite_create(path)
+    schema1.sqlite_write(path, records[:500])
+    store = SQLiteBackend(path)
+    assert store.pending() == 500
+    store.open()
+    schema1.sqlite_write(path, records[500:510])  # the old worker, after the new one migrated: schema_version is still 1
+    while store.pending():
+        store.retain()
+    schema1.sqlite_write(path, records[510:])
+    assert store.pending() == 10
+    store.retain()
+    store.close()
+    stored = [orjson.loads(data) for data in store.recent(1000, Filters())]
+    assert store.pending() == 0 and len(stored) == 520 and all(r["id"].startswith(f"{r['instance']}/v1/") for r in stored)
+    got = explain(gather([store]), objectives=fleet.OBJECTIVES)
+    assert differences(got, explain_reference.explain(records, objectives=fleet.OBJECTIVES)) == []

@@ -99,6 +99,20 @@ def test_the_waterfall_matches_the_records(proxy_factory, tmp_path):
             page.select_option("#verdict", "good")
             page.wait_for_function("document.querySelectorAll('.row').length > 0 && document.querySelectorAll('.row.missed').length === 0")
             assert len(page.query_selector_all(".row")) == sum(1 for r in proxy.records() if r.get("slo_good") is True)
+            # The summary line: the store's counts for the same filters, not the rows on the page.
+            good = sum(1 for r in proxy.records() if r.get("slo_good") is True)
+            page.wait_for_function(f"document.querySelector('#summary').dataset.requests === '{good}'")
+            assert f"{good} requests (ok {good})" in page.inner_text("#summary") and "SLO chat 100.00% of" in page.inner_text("#summary")
+            page.select_option("#verdict", "")
+            judged = sum(1 for r in proxy.records() if r.get("slo") == "chat")  # (the page's slo filter is still chat)
+            page.wait_for_function(f"document.querySelector('#summary').dataset.requests === '{judged}'")
+            assert f"SLO chat {100 * good / judged:.2f}% of {judged}" in page.inner_text("#summary")
+            # A TTFT threshold: only the requests whose first token took that long (the 2,000-token prompt's 400 ms prefill).
+            slow = [r for r in proxy.records() if (r.get("ttft_s") or 0) >= 0.35 and r.get("slo") == "chat"]
+            page.fill("#min_ttft", "0.35")
+            page.dispatch_event("#min_ttft", "change")
+            page.wait_for_function(f"document.querySelectorAll('.row').length === {len(slow)}")
+            assert len(slow) == 1 and slow[0]["prompt_tokens"] > 1900
         finally:
             browser.close()
     print(f"\n{len(rows)} bars, worst segment {worst:.3f} px off its record; screenshot {ARTIFACT}")

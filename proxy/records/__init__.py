@@ -19,14 +19,20 @@ Records hold timings and counts only: no credential, no prompt or completion tex
 from __future__ import annotations
 
 import collections
+import hashlib
+import itertools
+import math
 import logging
 import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import orjson
+
+from .sql import Window
+from .columns import ended_ns
 
 log = logging.getLogger("llmproxy.records")
 
@@ -46,27 +52,23 @@ class Rejected(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Row:
-    """One record as the stores write it: the columns they index, and the whole record as JSON."""
+    """One record on its way to a store: its JSON (which holds its `id`), and what orders and keys it.
+    The store computes the typed columns and cells from the JSON (columns.py), on the writer thread."""
 
-    rid: str  # instance/pid/boot/seq: unique, so a batch written twice (a lost commit reply) is stored once
-    ended_ns: int  # wall clock, epoch ns
-    instance: str
-    pid: int
-    model: str
-    upstream: str
-    endpoint: str
-    stream: bool
-    outcome: str
-    api: str
-    slo: str | None
-    slo_good: bool | None
+    rid: str  # the record's stable id: instance/pid/boot/seq for the proxy's own, or an imported record's `id`
+    ended_ns: int  # when the request ended (wall clock, epoch ns): its partition and its hour in the aggregates
     data: bytes
     seq: int
+    record: dict[str, Any] | None = None  # the JSON already parsed (an import's: not parsed twice); else the store parses it
+
+    def parsed(self) -> dict[str, Any]:
+        return self.record if self.record is not None else orjson.loads(self.data)
 
 
 @dataclass(frozen=True)
 class Filters:
-    """What /llmproxy/requests (and /ui) may select by; empty: any. `verdict`: good or miss."""
+    """What /llmproxy/requests (and /ui) may select by; empty: any. `verdict`: good or miss; `min_ttft`:
+    seconds (0: any)."""
 
     model: str = ""
     upstream: str = ""
@@ -75,50 +77,69 @@ class Filters:
     slo: str = ""
     verdict: str = ""
     instance: str = ""
+    min_ttft: float = 0.0
 
     def equal(self) -> list[tuple[str, str]]:
-        """(field, wanted value) for every filter that is an equality on a record's field."""
-        return [(name, value) for name in ("model", "upstream", "outcome", "api", "slo", "instance") if (value := getattr(self, name))]
+        """(column, wanted value) for every filter that is an equality on a dimension (columns.DIMENSIONS)."""
+        return [(name, value) for name in ("model", "upstream", "outcome", "api", "slo", "verdict", "instance") if (value := getattr(self, name))]
 
     def match(self, record: dict[str, Any]) -> bool:
         """The same selection on a record in memory (records off)."""
-        return all(record.get(name) == want for name, want in self.equal()) \
-            and (not self.verdict or record.get("slo_good") is (self.verdict == "good"))
+        return all(record.get(name) == want for name, want in self.equal() if name != "verdict") \
+            and (not self.verdict or record.get("slo_good") is (self.verdict == "good")) \
+            and (not self.min_ttft or (record.get("ttft_s") or 0.0) >= self.min_ttft)
 
 
 class Backend(Protocol):
-    """One store. `open`, `write`, `retain` and `close` run on the writer thread only."""
+    """One store. `open`, `write`, `retain` and `close` run on the writer thread only; the readers on
+    any thread, each with a connection of its own."""
 
     where: str  # for log lines: a path, or a URL with no password
+    retain_every_s: float  # how often the writer runs `retain`, busy or idle
 
     def open(self) -> None: ...  # connect and migrate; Unavailable if it cannot now
 
-    def write(self, rows: list[Row]) -> None: ...  # one transaction; Unavailable or Rejected
+    def write(self, rows: list[Row]) -> int: ...  # one transaction, with the aggregates: how many were new; Unavailable or Rejected
 
-    def retain(self) -> None: ...  # delete beyond --records-max-rows / --records-max-age
+    def retain(self) -> None: ...  # retention, partitions ahead, and moving an older schema's records in
 
     def close(self) -> None: ...
 
-    def recent(self, limit: int, filters: Filters) -> list[dict[str, Any]]: ...  # any thread: the newest, oldest first
+    def recent(self, limit: int, filters: Filters) -> list[bytes]: ...  # the newest records' JSON, oldest first
+
+    def aggregate(self, by: tuple[str, ...], window: Window, cells: bool = True) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]: ...
+    # (aggregate.queries: the sums' rows and, with `cells`, the histograms' rows)
+
+    def compact(self, before_hour: int | None = None) -> int: ...  # on the writer's connection: the hours due (and before that one) compacted now
+
+    def sample(self, fit: str, model: str, upstream: str, window: Window) -> list[tuple[int, float, float]]: ...  # (key, x, y)
+
+    def export(self, start_ns: int) -> Iterator[bytes]: ...  # every record's JSON since start_ns, oldest first
+
+    def pending(self) -> int: ...  # records of an older schema not moved in yet
 
 
 class Writer:
     """The bounded buffer and its writer thread, in front of one backend."""
 
     def __init__(self, backend: Backend, instance: str, max_records: int, max_bytes: int, on_error: Callable[[], None],
-                 on_drop: Callable[[str, int], None], retain_every_s: float = 0.0,
-                 on_batch: Callable[[int, int], None] | None = None) -> None:
-        """`on_drop(reason, count)`; `on_batch(written, buffered)` after each batch (the metrics)."""
+                 on_drop: Callable[[str, int], None], on_batch: Callable[[int, int], None] | None = None, batch: int = BATCH,
+                 retain: bool = True) -> None:
+        """`on_drop(reason, count)`; `on_batch(written, buffered)` after each batch (the metrics);
+        `batch`: rows per transaction at most; without `retain`, no retention or compaction pass (an
+        import, which compacts once at its end)."""
         self.backend, self.instance = backend, instance
         self.max_records, self.max_bytes = max(1, max_records), max(1, max_bytes)
         self.on_error, self.on_drop, self.on_batch = on_error, on_drop, on_batch
-        self.retain_every_s = retain_every_s
+        self.batch = max(1, batch)
+        self.retain_every_s = backend.retain_every_s if retain else math.inf
         self.written = 0
         self.connected = False
         self._buffer: collections.deque[Row] = collections.deque()
         self._bytes = 0
         self._in_flight: list[Row] = []
-        self._seq = 0
+        self._seq = itertools.count(1)
+        self._last = 0  # the newest seq added
         self._boot = f"{os.getpid()}/{time.time_ns()}"
         self._urgent = False  # a flush is waiting: write now, do not wait for a fuller batch
         self._stopping = False
@@ -129,17 +150,40 @@ class Writer:
         self._thread.start()
 
     def add(self, record: dict[str, Any]) -> None:
-        """The only call on the request side: serialise, append, drop the oldest past the caps."""
-        data = orjson.dumps(record)
+        """The only call on the request side: name the record (its stable `id`), serialise it, append,
+        drop the oldest past the caps."""
+        seq = next(self._seq)
+        record["id"] = rid = f"{self.instance}/{self._boot}/{seq}"
+        self._append(Row(rid, ended_ns(record), orjson.dumps(record), seq), block=False)
+
+    def put_row(self, row: Row) -> None:
+        """An exported record (`row`) through the same path, for `records import`: a full buffer makes
+        the caller wait instead of dropping."""
+        self._append(Row(row.rid, row.ended_ns, row.data, next(self._seq), row.record), block=True)
+
+    @staticmethod
+    def row(line: bytes, seq: int = 0) -> Row:
+        """An exported record's row: it keeps its own `id` (one without is named by its content, so a
+        second import skips it too) and its own end time. Rejected: not a record."""
+        try:
+            record = orjson.loads(line)
+            rid = record.get("id") or ""
+            if not rid:
+                record["id"] = rid = "import/" + hashlib.sha256(line.strip()).hexdigest()[:32]
+                line = orjson.dumps(record)
+            return Row(str(rid), ended_ns(record), line.strip(), seq, record)
+        except (orjson.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError) as exc:
+            raise Rejected(f"not a record: {exc}") from None
+
+    def _append(self, row: Row, block: bool) -> None:
         with self._cond:
-            self._seq += 1
-            row = Row(f"{self.instance}/{self._boot}/{self._seq}", time.time_ns(), self.instance, os.getpid(), record["model"],
-                      record["upstream"], record["endpoint"], bool(record["stream"]), record["outcome"], record["api"],
-                      record.get("slo"), record.get("slo_good"), data, self._seq)
+            while block and not self._stopping and (len(self._buffer) >= self.max_records or self._bytes >= self.max_bytes):
+                self._cond.wait(1.0)
             self._buffer.append(row)
-            self._bytes += len(data)
+            self._last = row.seq
+            self._bytes += len(row.data)
             self._enforce_caps()
-            if len(self._buffer) == 1 or len(self._buffer) >= BATCH:  # the writer waits for a first row, or a full batch
+            if len(self._buffer) == 1 or len(self._buffer) >= self.batch:  # the writer waits for a first row, or a full batch
                 self._cond.notify_all()
 
     def _enforce_caps(self) -> None:
@@ -151,6 +195,11 @@ class Writer:
             self.on_drop("buffer_full", dropped)
 
     @property
+    def down_s(self) -> float:
+        """How long the store has been unreachable (0: it is not)."""
+        return time.monotonic() - self._down_since if self._down_since and not self.connected else 0.0
+
+    @property
     def buffered(self) -> int:
         return len(self._buffer) + len(self._in_flight)
 
@@ -159,7 +208,7 @@ class Writer:
         at most `timeout`; at once when the store is unreachable (the reader falls back)."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            target = self._seq
+            target = self._last
             self._urgent = True
             self._cond.notify_all()
             while self._pending(target) and time.monotonic() < deadline and not (self._down_since and not self.connected):
@@ -176,7 +225,7 @@ class Writer:
             self._cond.notify_all()
         self._thread.join(timeout + 1.0)
 
-    def recent(self, limit: int, filters: Filters) -> list[dict[str, Any]]:
+    def recent(self, limit: int, filters: Filters) -> list[bytes]:
         return self.backend.recent(limit, filters)
 
     def _take(self) -> list[Row] | None:
@@ -189,9 +238,9 @@ class Writer:
             if not self._buffer:
                 return None
             deadline = time.monotonic() + FLUSH_S
-            while not (self._stopping or self._urgent) and len(self._buffer) < BATCH and (left := deadline - time.monotonic()) > 0:
+            while not (self._stopping or self._urgent) and len(self._buffer) < self.batch and (left := deadline - time.monotonic()) > 0:
                 self._cond.wait(left)
-            batch = [self._buffer.popleft() for _ in range(min(BATCH, len(self._buffer)))]
+            batch = [self._buffer.popleft() for _ in range(min(self.batch, len(self._buffer)))]
             self._bytes -= sum(len(row.data) for row in batch)
             self._in_flight = batch
             return batch
@@ -245,8 +294,8 @@ class Writer:
             done, stored = not batch, 0  # written, or refused for good: either way it leaves the buffer
             if batch:
                 try:
-                    self.backend.write(batch)
-                    done, stored = True, len(batch)
+                    stored = self.backend.write(batch)  # (fewer than the batch: ids the store already held)
+                    done = True
                     self.written += stored
                 except Rejected as exc:
                     self.on_error()
@@ -288,8 +337,10 @@ def is_postgres(target: str) -> bool:
     return target.startswith(("postgresql://", "postgres://"))
 
 
-def open_backend(target: str, max_rows: int, max_age_s: float, password_file: str = "", busy_timeout_s: float = 5.0) -> Backend:
-    """The store a `--records-db` value names: a PostgreSQL URL, or an SQLite file path."""
+def open_backend(target: str, max_rows: int = -1, max_age_s: float = 7 * 86400.0, password_file: str = "",
+                 busy_timeout_s: float = 5.0) -> Backend:
+    """The store a `--records-db` value names: a PostgreSQL URL, or an SQLite file path. `max_rows` -1:
+    the store's own default."""
     if is_postgres(target):
         from .postgres import PostgresBackend
 
@@ -298,19 +349,3 @@ def open_backend(target: str, max_rows: int, max_age_s: float, password_file: st
 
     return SQLiteBackend(target, max_rows, max_age_s, busy_timeout_s)
 
-
-def load(targets: list[str], since_s: float = 0.0, model: str = "", password_file: str = "") -> list[dict[str, Any]]:
-    """Every record of one or more stores (one file per replica, or a fleet's PostgreSQL), the newest
-    window only, optionally of one model: what `explain` reads."""
-    out: list[dict[str, Any]] = []
-    cutoff = time.time_ns() - int(since_s * 1e9) if since_s > 0 else 0
-    for target in targets:
-        if is_postgres(target):
-            from .postgres import load as load_postgres
-
-            out += load_postgres(target, cutoff, model, password_file)
-        else:
-            from .sqlite import load as load_sqlite
-
-            out += load_sqlite(target, cutoff, model)
-    return out

@@ -1,18 +1,28 @@
 """The records store of a fleet: PostgreSQL (`--records-db postgresql://USER@HOST:PORT/DB`). Every
-replica writes to one table; every reader (`explain --db postgresql://…`, `/llmproxy/requests` and
+replica writes to one store; every reader (`explain --db postgresql://…`, `/llmproxy/requests` and
 `/ui` on any replica) sees all of them, each record tagged with its `instance`.
 
 - Driver: psycopg 3, on the writer thread (libpq releases the GIL while it waits on the network).
-  asyncpg was measured beside it: 2 µs less CPU per record, but it wants an event loop of its own
-  (bench/RESULTS.md, "One records store for the fleet").
-- Writes: one transaction per batch: COPY into a temporary staging table, then `INSERT … SELECT …
-  ON CONFLICT (rid) DO NOTHING`, so a batch sent again after a lost commit reply is stored once.
-  `data` is `json` (kept as text: jsonb parses every record on the server, 3× slower to insert).
-- Schema: versioned in `llmproxy_meta`, created or migrated when a replica opens the store, under
-  a transaction-level advisory lock (replicas start together); a newer version is refused.
-- Retention: every `RETAIN_EVERY_S`, by whichever replica takes the retention lock (the others skip):
-  indexed deletes, `RETAIN_CHUNK` rows at a time for at most `RETAIN_BUDGET_S`, by age
-  (`--records-max-age`) and by rows (`--records-max-rows`, the oldest ids first).
+- Tables, each partitioned by day (declarative range partitions, `llmproxy_records_YYYYMMDD` …):
+  `llmproxy_records` (the records: typed columns, cells, the JSON), and the hourly aggregates
+  `llmproxy_rollup` and `llmproxy_hist` (aggregate.py), which `explain`, the SLO summaries and `/ui`'s
+  summaries read instead of the records.
+- Writes: one transaction per batch: COPY into a temporary staging table, then one statement that
+  inserts the records (`ON CONFLICT (key, ended_ns) DO NOTHING`: a batch sent again after a lost
+  commit reply is stored once) and adds exactly the inserted ones to the aggregates. `data` is `json`
+  (kept as text: jsonb parses every record on the server, 3× slower to insert).
+- Partitions: created `DAYS_AHEAD` days ahead (and for any older day a batch brings, as an import
+  does) as a plain table then ATTACHed: SHARE UPDATE EXCLUSIVE on the parent, so writers and readers
+  never wait for it. Retention drops whole days: DETACH … CONCURRENTLY then DROP, no DELETE, no bloat.
+  A day goes once all of it is older than `--records-max-age`; the optional row cap
+  (`--records-max-rows`) drops the oldest days while the others hold that many rows (the planner's
+  counts). One replica at a time does it (the retention advisory lock), every `RETAIN_EVERY_S`.
+- Schema: versioned in `llmproxy_meta` (`store_version`), created or migrated when a replica opens
+  the store under a transaction-level advisory lock (replicas start together); a newer one is refused.
+  Schema 1 kept records in the unpartitioned `llmproxy_requests`, which its replicas check as
+  `schema_version` 1: that table is left as it is, so a rolling upgrade's old replicas keep writing to
+  it, and the retention pass moves its records in (oldest first, `MOVE_CHUNK` at a time, through the
+  same write path, within `MOVE_BUDGET_S`) until it is empty. Drop it once no old replica runs.
 - The password comes from the URL, `--records-db-password-file` (a mounted Secret, re-read at each
   connect) or libpq's own `PGPASSWORD` / `PGPASSFILE`; log lines name the store by `redact(url)`.
 """
@@ -20,38 +30,57 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import orjson
 import psycopg
 
 from . import Filters, Rejected, Row, Unavailable
+from . import columns as C
+from . import sql as A
+from .partitions import HIST, ROLLUP, TABLE, Partitions
 
-SCHEMA_VERSION = 1
-TABLE = "llmproxy_requests"
-MIGRATE_LOCK, RETAIN_LOCK = 0x6C6D7001, 0x6C6D7002  # advisory lock keys ("lm" p 1, 2)
+STORE_VERSION = 2
+LEGACY = "llmproxy_requests"  # schema 1's table
+MIGRATE_LOCK, RETAIN_LOCK, COMPACT_LOCK = 0x6C6D7001, 0x6C6D7002, 0x6C6D7004  # advisory locks ("lm" p n; 3: partitions.py)
 RETAIN_EVERY_S = 5.0
-RETAIN_CHUNK = 10_000
-RETAIN_BUDGET_S = 1.0
-COLUMNS = ("rid", "ended_ns", "instance", "pid", "model", "upstream", "endpoint", "stream", "outcome", "api", "slo", "slo_good", "data")
+MOVE_CHUNK = 5000
+BUDGET_S = 2.0  # what one retention pass may spend compacting hours and moving schema 1's records in
+NAMES = (*C.COLUMNS, "data")
+TYPES: dict[str, str] = {**{c: "float8" for c in C.REALS}, **{c: "integer" for c in C.INTEGERS}, **{c: "text" for c in (*C.TEXTS, *C.DIMENSIONS, "rid")},
+         **{c: "bigint" for c in ("key", "ended_ns", "received_ns", "series")}}
+COPY_TYPES = [TYPES.get(name, "text") for name in NAMES]
 SCHEMA = (
     "CREATE TABLE IF NOT EXISTS llmproxy_meta (key text PRIMARY KEY, value text NOT NULL)",
-    f"""CREATE TABLE IF NOT EXISTS {TABLE} (
-        id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,  -- insertion order across replicas: the oldest go first
-        rid text NOT NULL,                                   -- instance/pid/boot/seq: a batch written twice is stored once
-        ended_ns bigint NOT NULL,                            -- wall clock (epoch ns) when the request ended
-        instance text NOT NULL, pid integer NOT NULL,
-        model text NOT NULL, upstream text NOT NULL, endpoint text NOT NULL, stream boolean NOT NULL, outcome text NOT NULL,
-        api text NOT NULL, slo text, slo_good boolean,
-        data json NOT NULL                                   -- the record (proxy.telemetry.record_dict)
-    )""",
-    f"CREATE UNIQUE INDEX IF NOT EXISTS {TABLE}_rid ON {TABLE} (rid)",
-    f"CREATE INDEX IF NOT EXISTS {TABLE}_ended ON {TABLE} (ended_ns)",
-    f"CREATE INDEX IF NOT EXISTS {TABLE}_model ON {TABLE} (model, upstream, ended_ns)",
-    f"CREATE INDEX IF NOT EXISTS {TABLE}_instance ON {TABLE} (instance, id)",
+    # The records: the typed columns (columns.py: rid, key, the end time that is the partition key, the
+    # dimensions, the figures' values, the fits' points, the blamed phases) and the record as JSON text
+    # (never parsed by the server: cast data::json to query into it).
+    f"CREATE TABLE IF NOT EXISTS {TABLE} ({', '.join(f'{c} {TYPES[c]}' for c in C.COLUMNS)}, data text NOT NULL) PARTITION BY RANGE (ended_ns)",
+    f"CREATE UNIQUE INDEX IF NOT EXISTS {TABLE}_key ON {TABLE} (model, upstream, key, ended_ns) INCLUDE (px, py, dx, dy)",  # once; the samples
+    # The newest first (and a batch's time range, for the keys it may hold already); the rare rows the
+    # list filters on (a model's are found by the first index; an instance's or a common value's by the
+    # newest first).
+    f"CREATE INDEX IF NOT EXISTS {TABLE}_ended ON {TABLE} (ended_ns) INCLUDE (key)",
+    f"CREATE INDEX IF NOT EXISTS {TABLE}_failed ON {TABLE} (outcome, ended_ns) WHERE outcome <> 'ok'",
+    f"CREATE INDEX IF NOT EXISTS {TABLE}_miss ON {TABLE} (ended_ns) WHERE verdict = 'miss'",
+    f"CREATE INDEX IF NOT EXISTS {TABLE}_ttft ON {TABLE} (ttft_s)",
+    f"""CREATE TABLE IF NOT EXISTS {ROLLUP} (hour bigint NOT NULL, series bigint NOT NULL,
+        {', '.join(f'{name} text NOT NULL' for name in C.DIMENSIONS)},
+        {', '.join(f"{name} {'float8' if name.endswith(A.FLOATS) else 'bigint'}" for name, _, _ in A.SUMS)},
+        PRIMARY KEY (hour, series)) PARTITION BY RANGE (hour)""",
+    f"""CREATE TABLE IF NOT EXISTS {HIST} (hour bigint NOT NULL, {', '.join(f'{d} text NOT NULL' for d in A.HIST_DIMS)},
+        code integer NOT NULL, bucket integer NOT NULL, n bigint NOT NULL) PARTITION BY RANGE (hour)""",
+    f"CREATE INDEX IF NOT EXISTS {HIST}_hour ON {HIST} (hour)",
+    "CREATE TABLE IF NOT EXISTS llmproxy_compacted (hour bigint PRIMARY KEY, at_ns bigint NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS llmproxy_dirty (hour bigint PRIMARY KEY)",
 )
-MIGRATIONS: dict[int, tuple[str, ...]] = {}  # version N -> the statements that make it N + 1 (none yet)
-STAGING = f"CREATE TEMP TABLE llmproxy_staging ON COMMIT DELETE ROWS AS SELECT {', '.join(COLUMNS)} FROM {TABLE} WITH NO DATA"
+MIGRATIONS: dict[int, tuple[str, ...]] = {}  # store version N -> the statements that make it N + 1 (none yet)
+# A batch's rows: the keys in its time range (one index range; keys are hashes of unique ids).
+BATCH_ROWS = "ended_ns >= ? AND ended_ns <= ?"
+HELD = A.POSTGRES.sql(f"SELECT key, ended_ns FROM {TABLE} WHERE {BATCH_ROWS}")
+ADD = A.POSTGRES.sql(A.rollup(A.POSTGRES, f"(SELECT * FROM {TABLE} WHERE {BATCH_ROWS} AND key = ANY(?::bigint[]))"))
+COMPACT = A.compact(A.POSTGRES)
+KEY, ENDED = C.COLUMNS.index("key"), C.COLUMNS.index("ended_ns")
 
 
 def redact(url: str) -> str:
@@ -80,82 +109,163 @@ def migrate(conn: psycopg.Connection[Any]) -> None:
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATE_LOCK,))
         conn.execute(SCHEMA[0])
-        row = conn.execute("SELECT value FROM llmproxy_meta WHERE key = 'schema_version'").fetchone()
+        row = conn.execute("SELECT value FROM llmproxy_meta WHERE key = 'store_version'").fetchone()
         version = int(row[0]) if row else 0
-        if version > SCHEMA_VERSION:
-            raise Unavailable(f"the records schema is version {version}, newer than this proxy's {SCHEMA_VERSION}: not written")
+        if version > STORE_VERSION:
+            raise Unavailable(f"the records store is version {version}, newer than this proxy's {STORE_VERSION}: not written")
         if version == 0:
             for statement in SCHEMA[1:]:
                 conn.execute(statement)
-        for step in range(max(1, version), SCHEMA_VERSION):
+        for step in range(version or STORE_VERSION, STORE_VERSION):
             for statement in MIGRATIONS[step]:
                 conn.execute(statement)
-        conn.execute("INSERT INTO llmproxy_meta (key, value) VALUES ('schema_version', %s) ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value",
-                     (str(SCHEMA_VERSION),))
+        conn.execute("INSERT INTO llmproxy_meta (key, value) VALUES ('store_version', %s) ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value",
+                     (str(STORE_VERSION),))
 
 
 class PostgresBackend:
-    def __init__(self, url: str, max_rows: int, max_age_s: float, password_file: str = "") -> None:
+    retain_every_s = RETAIN_EVERY_S
+
+    def __init__(self, url: str, max_rows: int = -1, max_age_s: float = 7 * 86400.0, password_file: str = "") -> None:
         self.url, self.password_file = url, password_file
         self.where = redact(url)
-        self.max_rows, self.max_age_s = max_rows, max_age_s
+        self.max_rows = max(0, max_rows)  # (the default, -1: no row cap; age alone bounds the store)
+        self.max_age_s = max_age_s
         self.conn: psycopg.Connection[Any] | None = None
+        self.partitions = Partitions()
 
-    def open(self) -> None:
+    def _connect(self, **options: Any) -> psycopg.Connection[Any]:
         try:
-            conn = connect(self.url, self.password_file, options="-c statement_timeout=30000")
-            migrate(conn)
-            conn.execute(STAGING)
+            return connect(self.url, self.password_file, **options)
         except psycopg.Error as exc:
             raise Unavailable(_scrubbed(exc, self.url)) from None
         except OSError as exc:  # the password file
             raise Unavailable(f"{self.password_file}: {exc.strerror or exc}") from None
+
+    def open(self) -> None:
+        conn = self._connect(options="-c statement_timeout=30000")
+        try:
+            migrate(conn)
+            self.partitions = Partitions()
+            self.partitions.ahead(conn)
+        except psycopg.Error as exc:
+            conn.close()
+            raise Unavailable(_scrubbed(exc, self.url)) from None
         self.conn = conn
 
-    def write(self, rows: list[Row]) -> None:
+    def write(self, rows: list[Row]) -> int:
         conn = self.conn
         assert conn is not None
-        names = ", ".join(COLUMNS)
         try:
+            values = [(*C.values(r.rid, record), r.data.decode()) for r in rows for record in (r.parsed(),)]
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise Rejected(f"not a record: {exc}") from None
+        try:
+            self.partitions.ensure(conn, {row.ended_ns // C.DAY_NS for row in rows})
             with conn.transaction():
-                with conn.cursor().copy(f"COPY llmproxy_staging ({names}) FROM STDIN") as copy:
-                    for r in rows:
-                        copy.write_row((r.rid, r.ended_ns, r.instance, r.pid, r.model, r.upstream, r.endpoint, r.stream, r.outcome, r.api,
-                                        r.slo, r.slo_good, r.data.decode()))
-                conn.execute(f"INSERT INTO {TABLE} ({names}) SELECT {names} FROM llmproxy_staging ON CONFLICT (rid) DO NOTHING")
+                return self._insert(conn, values)
+        except psycopg.errors.UniqueViolation as exc:  # another writer stored some of them meanwhile: again, skipping those
+            self.close()
+            raise Unavailable(_scrubbed(exc, self.url)) from None
         except (psycopg.errors.DataError, psycopg.errors.IntegrityError) as exc:  # what these rows hold
             raise Rejected(_scrubbed(exc, self.url)) from None
         except psycopg.Error as exc:  # down, restarting, slow, the table gone: reconnect (and migrate) and retry
             self.close()
             raise Unavailable(_scrubbed(exc, self.url)) from None
 
+    @staticmethod
+    def _insert(conn: psycopg.Connection[Any], values: list[tuple[Any, ...]]) -> int:
+        """Inside a transaction: the rows the store does not hold yet, COPYed in, and added to the
+        rollup; the hours a compaction may have read marked dirty. How many were new."""
+        late = A.late_hours((v[2] for v in values), time.time_ns())
+        if late:  # (a compaction of these hours waits for this transaction, or this one for it)
+            conn.execute("SELECT pg_advisory_xact_lock_shared(%s)", (COMPACT_LOCK,))
+        ended = [v[ENDED] for v in values]
+        span = (min(ended), max(ended))
+        held = set(conn.execute(HELD, span).fetchall())
+        new = [v for v in values if (v[KEY], v[ENDED]) not in held] if held else values
+        if not new:
+            return 0
+        with conn.cursor().copy(f"COPY {TABLE} ({', '.join(NAMES)}) FROM STDIN (FORMAT BINARY)") as copy:
+            copy.set_types(COPY_TYPES)
+            for value in new:
+                copy.write_row(value)
+        conn.execute(ADD, (*span, "{" + ",".join(str(v[KEY]) for v in new) + "}"))  # (an array literal: 50x cheaper to send than a list)
+        if late:
+            conn.execute("INSERT INTO llmproxy_dirty (hour) SELECT unnest(%s::bigint[]) ON CONFLICT DO NOTHING", (late,))
+        return len(new)
+
     def retain(self) -> None:
-        """Delete beyond the age and row limits, in chunks, within a time budget; one replica at a time."""
+        """One replica at a time: partitions ahead, whole days dropped past the age and row limits, the
+        hours due compacted, and schema 1's records moved in, within BUDGET_S."""
         conn = self.conn
-        if conn is None or not (self.max_age_s > 0 or self.max_rows > 0):
+        if conn is None:
             return
-        began = time.monotonic()
         try:
-            with conn.transaction():
-                if not conn.execute("SELECT pg_try_advisory_xact_lock(%s)", (RETAIN_LOCK,)).fetchone()[0]:  # type: ignore[index]
-                    return  # another replica is at it
+            if not conn.execute("SELECT pg_try_advisory_lock(%s)", (RETAIN_LOCK,)).fetchone()[0]:  # type: ignore[index]
+                return  # another replica is at it
+            try:
+                self.partitions.ahead(conn)
+                for name in self.partitions.expired(conn, self.max_age_s, self.max_rows):
+                    self.partitions.drop(conn, name)
                 if self.max_age_s > 0:
-                    cutoff = time.time_ns() - int(self.max_age_s * 1e9)
-                    while time.monotonic() - began < RETAIN_BUDGET_S:
-                        deleted = conn.execute(f"DELETE FROM {TABLE} WHERE id IN (SELECT id FROM {TABLE} WHERE ended_ns < %s LIMIT %s)",
-                                               (cutoff, RETAIN_CHUNK)).rowcount
-                        if deleted < RETAIN_CHUNK:
-                            break
-                if self.max_rows > 0:
-                    row = conn.execute(f"SELECT id FROM {TABLE} ORDER BY id DESC OFFSET %s LIMIT 1", (self.max_rows,)).fetchone()
-                    while row is not None and time.monotonic() - began < RETAIN_BUDGET_S:
-                        deleted = conn.execute(f"DELETE FROM {TABLE} WHERE id IN (SELECT id FROM {TABLE} WHERE id <= %s ORDER BY id LIMIT %s)",
-                                               (row[0], RETAIN_CHUNK)).rowcount
-                        if deleted < RETAIN_CHUNK:
-                            break
+                    cutoff_hour = (time.time_ns() - int(self.max_age_s * 1e9)) // C.HOUR_NS
+                    conn.execute("DELETE FROM llmproxy_compacted WHERE hour < %s", (cutoff_hour,))
+                    conn.execute("DELETE FROM llmproxy_dirty WHERE hour < %s", (cutoff_hour,))
+                began = time.monotonic()
+                while time.monotonic() - began < BUDGET_S and (self._compact_one(conn) or self._move(conn)):
+                    pass
+            finally:
+                conn.execute("SELECT pg_advisory_unlock(%s)", (RETAIN_LOCK,))
         except psycopg.Error as exc:
             self.close()
             raise Unavailable(_scrubbed(exc, self.url)) from None
+
+    def compact(self, before_hour: int | None = None) -> int:
+        """Every hour due (and before `before_hour`), now: how many were compacted (an import's)."""
+        conn = self.conn
+        assert conn is not None
+        done = 0
+        while self._compact_one(conn, before_hour):
+            done += 1
+        return done
+
+    @staticmethod
+    def _compact_one(conn: psycopg.Connection[Any], before_hour: int | None = None) -> bool:
+        """The oldest hour that has ended, has records, and is not compacted or is dirty: its histograms
+        computed again from its records, in one transaction. False when none is due."""
+        due = conn.execute(f"SELECT DISTINCT hour FROM {ROLLUP} WHERE hour < %s AND (hour IN (SELECT hour FROM llmproxy_dirty) "
+                           "OR hour NOT IN (SELECT hour FROM llmproxy_compacted)) ORDER BY hour LIMIT 1",
+                           (min(A.compactable(time.time_ns()), before_hour if before_hour is not None else 1 << 62),)).fetchone()
+        if due is None:
+            return False
+        hour = int(due[0])
+        with conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (COMPACT_LOCK,))  # (writers of late records hold its shared side)
+            conn.execute("DELETE FROM llmproxy_dirty WHERE hour = %s", (hour,))
+            conn.execute(f"DELETE FROM {HIST} WHERE hour = %s", (hour,))
+            conn.execute(COMPACT, (hour, hour * C.HOUR_NS, (hour + 1) * C.HOUR_NS))
+            conn.execute("INSERT INTO llmproxy_compacted (hour, at_ns) VALUES (%s, %s) ON CONFLICT (hour) DO UPDATE SET at_ns = EXCLUDED.at_ns",
+                         (hour, time.time_ns()))
+        return True
+
+    def _move(self, conn: psycopg.Connection[Any]) -> bool:
+        """One chunk of schema 1's records into this schema, and out of its table, in one transaction."""
+        if conn.execute("SELECT to_regclass(%s)", (LEGACY,)).fetchone()[0] is None:  # type: ignore[index]
+            return False
+        with conn.transaction():
+            rows = conn.execute(f"SELECT id, rid, data::text FROM {LEGACY} ORDER BY id LIMIT %s FOR UPDATE SKIP LOCKED", (MOVE_CHUNK,)).fetchall()
+            if not rows:
+                return False
+            values = []
+            for _, rid, data in rows:
+                record = orjson.loads(data)
+                record["id"] = rid
+                values.append((*C.values(rid, record), orjson.dumps(record).decode()))
+            self.partitions.ensure(conn, {value[ENDED] // C.DAY_NS for value in values})
+            self._insert(conn, values)
+            conn.execute(f"DELETE FROM {LEGACY} WHERE id = ANY(%s)", ([row[0] for row in rows],))
+        return True
 
     def close(self) -> None:
         if self.conn is not None:
@@ -165,46 +275,63 @@ class PostgresBackend:
                 pass  # (already broken: closing it is all that was left)
             self.conn = None
 
-    def recent(self, limit: int, filters: Filters) -> list[dict[str, Any]]:
-        return recent(self.url, limit, filters, self.password_file)
+    # Readers: a connection each.
+
+    def _read(self, sql: str, args: list[Any] | tuple[Any, ...]) -> list[tuple[Any, ...]]:
+        with connect(self.url, self.password_file) as conn:
+            if conn.execute("SELECT to_regclass(%s)", (TABLE,)).fetchone()[0] is None:  # type: ignore[index]
+                return []  # no replica of this version has written yet
+            return conn.execute(sql, args).fetchall()
+
+    def recent(self, limit: int, filters: Filters) -> list[bytes]:
+        """The fleet's newest `limit` records, oldest first (every replica's; `instance` selects one)."""
+        where, args = _where(filters)
+        rows = self._read(f"SELECT data::text FROM {TABLE}{where} ORDER BY ended_ns DESC LIMIT %s", (*args, max(0, limit)))
+        return [row[0].encode() for row in reversed(rows)]
+
+    def aggregate(self, by: tuple[str, ...], window: A.Window, cells: bool = True) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+        with connect(self.url, self.password_file) as conn:
+            if conn.execute("SELECT to_regclass(%s)", (TABLE,)).fetchone()[0] is None:  # type: ignore[index]
+                return [], []  # no replica of this version has written yet
+            if not cells:
+                ((sums, sargs),) = A.queries(A.POSTGRES, by, window)
+                return conn.execute(sums, sargs).fetchall(), []
+            with conn.transaction():  # (one snapshot for the plan and both reads)
+                conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+                return self._read_window(conn, by, window)
+
+    @staticmethod
+    def _read_window(conn: psycopg.Connection[Any], by: tuple[str, ...], window: A.Window) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+        clean = conn.execute("SELECT hour FROM llmproxy_compacted WHERE hour >= %s AND hour NOT IN (SELECT hour FROM llmproxy_dirty)",
+                             (window.first_hour,)).fetchall()
+        (sums, sargs), (text, cargs) = A.queries(A.POSTGRES, by, window, *window.split(h for (h,) in clean))
+        return conn.execute(sums, sargs).fetchall(), conn.execute(text, cargs).fetchall()
+
+    def sample(self, fit: str, model: str, upstream: str, window: A.Window) -> list[tuple[int, float, float]]:
+        sql, args = A.sample(A.POSTGRES, fit, window)
+        return self._read(sql, [model, upstream, *args])
+
+    def export(self, start_ns: int) -> Iterator[bytes]:
+        with connect(self.url, self.password_file) as conn:
+            if conn.execute("SELECT to_regclass(%s)", (TABLE,)).fetchone()[0] is None:  # type: ignore[index]
+                return
+            with conn.transaction(), conn.cursor(name="llmproxy_export") as cursor:
+                cursor.itersize = 5000
+                cursor.execute(f"SELECT data::text FROM {TABLE} WHERE ended_ns >= %s ORDER BY ended_ns", (start_ns,))
+                for (data,) in cursor:
+                    yield data.encode()
+
+    def pending(self) -> int:
+        with connect(self.url, self.password_file) as conn:
+            if conn.execute("SELECT to_regclass(%s)", (LEGACY,)).fetchone()[0] is None:  # type: ignore[index]
+                return 0
+            return int(conn.execute(f"SELECT count(*) FROM {LEGACY}").fetchone()[0])  # type: ignore[index]
 
 
 def _where(filters: Filters) -> tuple[str, list[Any]]:
     where = [f"{name} = %s" for name, _ in filters.equal()]
     args: list[Any] = [value for _, value in filters.equal()]
-    if filters.verdict:
-        where.append("slo_good = %s")
-        args.append(filters.verdict == "good")
-    return (f"WHERE {' AND '.join(where)}" if where else ""), args
-
-
-def recent(url: str, limit: int, filters: Filters = Filters(), password_file: str = "") -> list[dict[str, Any]]:
-    """The fleet's newest `limit` records, oldest first (every replica's; `instance` selects one)."""
-    clause, args = _where(filters)
-    with connect(url, password_file) as conn:
-        try:
-            rows = conn.execute(f"SELECT data::text FROM {TABLE} {clause} ORDER BY id DESC LIMIT %s", (*args, max(0, limit))).fetchall()
-        except psycopg.errors.UndefinedTable:
-            return []  # no replica has written yet
-    return [orjson.loads(row[0]) for row in reversed(rows)]
-
-
-def load(url: str, cutoff_ns: int, model: str = "", password_file: str = "") -> list[dict[str, Any]]:
-    """Every replica's records since `cutoff_ns` (for `explain`), streamed from a server-side cursor."""
-    query = f"SELECT data::text, upstream FROM {TABLE} WHERE ended_ns >= %s"
-    args: list[Any] = [cutoff_ns]
-    if model:
-        query += " AND model = %s"
-        args.append(model)
-    out: list[dict[str, Any]] = []
-    with connect(url, password_file) as conn:
-        if conn.execute("SELECT to_regclass(%s)", (TABLE,)).fetchone()[0] is None:  # type: ignore[index]
-            return out
-        with conn.transaction(), conn.cursor(name="llmproxy_explain") as cursor:
-            cursor.itersize = 5000
-            cursor.execute(query, args)
-            for data, upstream in cursor:
-                record = orjson.loads(data)
-                record.setdefault("upstream", upstream)
-                out.append(record)
-    return out
+    if filters.min_ttft:
+        where.append("ttft_s >= %s")
+        args.append(filters.min_ttft)
+    return (f" WHERE {' AND '.join(where)}" if where else ""), args

@@ -1,9 +1,19 @@
 """The embedded records store: one SQLite file per listening port, in WAL mode, so every worker
 process writes to the same file and readers never block writers.
 
-Retention (rows and age) runs after each batch (the writer's `retain_every_s` is 0): two indexed deletes. A locked or full file is
-Unavailable (its rows wait in the buffer, written once it is free); a corrupt one, or one written
-by a newer version (refused, never rewritten), too: counted and logged, never a request's problem.
+The same design as the fleet's PostgreSQL (aggregate.py, columns.py): the records with their typed
+columns and cells, and the hourly aggregates written in the same transaction, so `explain` over a
+day reads thousands of rows. Retention (rows and age) runs every `RETAIN_EVERY_S`: indexed deletes of
+the records, and of the aggregates by age only (the row cap trims what a record holds, not what was
+counted). A locked or full file is Unavailable (its rows wait in the buffer, written once it is
+free); a corrupt one, or one written by a newer version (refused, never rewritten), too: counted and
+logged, never a request's problem.
+
+Schema 1 kept every record as JSON in `requests`; schema 2 keeps them in `llmproxy_records`. A file
+of schema 1 is moved in place, `MOVE_CHUNK` records at a time within `MOVE_BUDGET_S` at each
+retention pass, oldest first, through the same write path; `meta.schema_version` stays 1 so that a
+proxy of the older version still running on the file (a restart) keeps writing to `requests`, and
+its records are moved in too (`meta.store_version` is this schema's version).
 """
 from __future__ import annotations
 
@@ -11,29 +21,45 @@ import os
 import sqlite3
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import orjson
 
 from . import Filters, Rejected, Row, Unavailable
+from . import sql as A
+from . import columns as C
 
-SCHEMA_VERSION = 1
-# Indexed columns for the filters `explain` and /llmproxy/requests use; the whole record is `data`
-# (whose `instance`, `api` and `slo` fields the filters read with json_extract).
-COLUMNS = ("ended_ns", "pid", "model", "upstream", "endpoint", "stream", "outcome", "data")
-SCHEMA = """
+STORE_VERSION = 2
+DEFAULT_MAX_ROWS = 1_000_000
+RETAIN_EVERY_S = 1.0
+MOVE_CHUNK = 5000
+BUDGET_S = 1.0  # what one retention pass may spend compacting hours and moving schema 1's records in
+NAMES = (*C.COLUMNS, "data")
+TYPES = {**{c: "REAL" for c in C.REALS}, **{c: "INTEGER" for c in (*C.INTEGERS, "key", "ended_ns", "received_ns", "series")},
+         **{c: "TEXT" for c in (*C.TEXTS, *C.DIMENSIONS, "rid")}}
+SUM_COLUMNS = ", ".join(f"{name} {'REAL' if name.endswith(A.FLOATS) else 'INTEGER'}" for name, _, _ in A.SUMS)
+SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS requests (
-    id INTEGER PRIMARY KEY,
-    ended_ns INTEGER NOT NULL,  -- wall clock (epoch ns) when the request ended
-    pid INTEGER NOT NULL,       -- the worker process that served it
-    model TEXT NOT NULL, upstream TEXT NOT NULL, endpoint TEXT NOT NULL, stream INTEGER NOT NULL,
-    outcome TEXT NOT NULL,
-    data BLOB NOT NULL          -- the record as JSON (proxy.telemetry.record_dict)
+CREATE TABLE IF NOT EXISTS llmproxy_records (
+    id INTEGER PRIMARY KEY,     -- insertion order: a batch's new rows are those above the last id before it
+    {', '.join(f'{c} {TYPES[c]}' for c in C.COLUMNS)},  -- columns.py
+    data BLOB NOT NULL          -- the record as JSON (proxy.telemetry.record_dict, with its id)
 );
-CREATE INDEX IF NOT EXISTS requests_ended ON requests (ended_ns);
-CREATE INDEX IF NOT EXISTS requests_model ON requests (model, upstream, ended_ns);
+CREATE UNIQUE INDEX IF NOT EXISTS llmproxy_records_key ON llmproxy_records (model, upstream, key, ended_ns);
+CREATE INDEX IF NOT EXISTS llmproxy_records_ended ON llmproxy_records (ended_ns);
+CREATE TABLE IF NOT EXISTS llmproxy_rollup (hour INTEGER NOT NULL, series INTEGER NOT NULL,
+    {', '.join(f'{name} TEXT NOT NULL' for name in C.DIMENSIONS)}, {SUM_COLUMNS}, PRIMARY KEY (hour, series)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS llmproxy_hist (hour INTEGER NOT NULL, {', '.join(f'{d} TEXT NOT NULL' for d in A.HIST_DIMS)},
+    code INTEGER NOT NULL, bucket INTEGER NOT NULL, n INTEGER NOT NULL);
+CREATE INDEX IF NOT EXISTS llmproxy_hist_hour ON llmproxy_hist (hour);
+CREATE TABLE IF NOT EXISTS llmproxy_compacted (hour INTEGER PRIMARY KEY, at_ns INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS llmproxy_dirty (hour INTEGER PRIMARY KEY);
 """
+INSERT = (f"INSERT INTO llmproxy_records ({', '.join(NAMES)}) VALUES ({', '.join('?' * len(NAMES))}) "
+          "ON CONFLICT (model, upstream, key, ended_ns) DO NOTHING")
+ADD = A.rollup(A.SQLITE, "(SELECT * FROM llmproxy_records WHERE id > ?)")
+COMPACT = A.compact(A.SQLITE)
+ENDED = C.COLUMNS.index("ended_ns")
 
 
 def default_path(port: int) -> str:
@@ -43,7 +69,9 @@ def default_path(port: int) -> str:
     return str(Path(base) / "llm-latency-proxy" / f"records-{port}.sqlite")
 
 
-def connect(path: str, timeout: float = 5.0) -> sqlite3.Connection:
+def connect(path: str, timeout: float = 5.0, readonly: bool = False) -> sqlite3.Connection:
+    if readonly:
+        return sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=timeout, check_same_thread=False)
     db = sqlite3.connect(path, timeout=timeout, check_same_thread=False, isolation_level=None)
     db.execute("PRAGMA journal_mode=WAL")
     db.execute("PRAGMA synchronous=NORMAL")
@@ -51,48 +79,74 @@ def connect(path: str, timeout: float = 5.0) -> sqlite3.Connection:
 
 
 def migrate(db: sqlite3.Connection) -> None:
-    """Create the schema, or refuse a file written by a newer version (never rewrite it)."""
+    """Create this schema beside an older one (moved in by `retain`), or refuse a newer one (never rewrite it)."""
+    has_meta = db.execute("SELECT 1 FROM sqlite_master WHERE name = 'meta'").fetchone() is not None
+    row = db.execute("SELECT value FROM meta WHERE key = 'store_version'").fetchone() if has_meta else None
+    if row is not None and int(row[0]) > STORE_VERSION:
+        raise sqlite3.DatabaseError(f"records store version {row[0]} is newer than this proxy's {STORE_VERSION}")
     db.executescript(SCHEMA)
-    row = db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-    if row is None:
-        db.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-    elif int(row[0]) > SCHEMA_VERSION:
-        raise sqlite3.DatabaseError(f"records schema version {row[0]} is newer than this proxy's {SCHEMA_VERSION}")
+    db.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('store_version', ?)", (str(STORE_VERSION),))
+
+
+def _legacy(db: sqlite3.Connection) -> bool:
+    return db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'requests'").fetchone() is not None
 
 
 class SQLiteBackend:
-    def __init__(self, path: str, max_rows: int, max_age_s: float, busy_timeout_s: float = 5.0) -> None:
+    retain_every_s = RETAIN_EVERY_S
+
+    def __init__(self, path: str, max_rows: int = -1, max_age_s: float = 7 * 86400.0, busy_timeout_s: float = 5.0) -> None:
         self.path = self.where = path
-        self.max_rows, self.max_age_s, self.busy_timeout_s = max_rows, max_age_s, busy_timeout_s
+        self.max_rows = DEFAULT_MAX_ROWS if max_rows < 0 else max_rows
+        self.max_age_s, self.busy_timeout_s = max_age_s, busy_timeout_s
         self.db: sqlite3.Connection | None = None
 
     def open(self) -> None:
         try:
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
             db = connect(self.path, self.busy_timeout_s)
-            migrate(db)
+            with db:
+                db.execute("BEGIN IMMEDIATE")
+                migrate(db)
         except (sqlite3.Error, OSError) as exc:
             raise Unavailable(str(exc)) from None
         self.db = db
 
-    def write(self, rows: list[Row]) -> None:
+    def write(self, rows: list[Row]) -> int:
         db = self.db
         assert db is not None
-        values = [(r.ended_ns, r.pid, r.model, r.upstream, r.endpoint, int(r.stream), r.outcome, r.data) for r in rows]
+        try:
+            values = [(*C.values(r.rid, record), r.data) for r in rows for record in (r.parsed(),)]
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise Rejected(f"not a record: {exc}") from None
+        return self._insert(db, values)
+
+    def _insert(self, db: sqlite3.Connection, values: list[tuple[Any, ...]], then: tuple[str, tuple[Any, ...]] | None = None) -> int:
+        """Rows and their rollup in one transaction (and `then`, a statement of the same one), the hours a
+        compaction may have read marked dirty; only the rows really inserted count, and how many they
+        were is returned."""
         try:
             with db:
                 db.execute("BEGIN IMMEDIATE")
-                db.executemany(f"INSERT INTO requests ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})", values)
+                before = db.execute("SELECT coalesce(max(id), 0) FROM llmproxy_records").fetchone()[0]
+                db.executemany(INSERT, values)
+                db.execute(ADD, (before,))
+                db.executemany("INSERT OR IGNORE INTO llmproxy_dirty (hour) VALUES (?)",
+                               [(hour,) for hour in A.late_hours((v[ENDED] for v in values), time.time_ns())])
+                if then is not None:
+                    db.execute(*then)
+                return int(db.execute("SELECT count(*) FROM llmproxy_records WHERE id > ?", (before,)).fetchone()[0])
         except sqlite3.OperationalError as exc:  # locked, full, read-only: the same rows may go in later
             raise Unavailable(str(exc)) from None
+        except sqlite3.IntegrityError as exc:
+            raise Rejected(str(exc)) from None
         except sqlite3.DatabaseError as exc:  # corrupt: reopen (and fail, counted) next time
             self.close()
             raise Unavailable(str(exc)) from None
-        except (ValueError, TypeError) as exc:
-            raise Rejected(str(exc)) from None
 
     def retain(self) -> None:
-        """Keep at most max_rows rows, none older than max_age_s (after every batch: two index lookups)."""
+        """At most max_rows records, none older than max_age_s, the aggregates by age; then the hours due
+        compacted and what an older schema holds moved in, for at most BUDGET_S."""
         db = self.db
         if db is None:
             return
@@ -100,64 +154,125 @@ class SQLiteBackend:
             with db:
                 db.execute("BEGIN IMMEDIATE")
                 if self.max_age_s > 0:
-                    db.execute("DELETE FROM requests WHERE ended_ns < ?", (time.time_ns() - int(self.max_age_s * 1e9),))
+                    cutoff = time.time_ns() - int(self.max_age_s * 1e9)
+                    db.execute("DELETE FROM llmproxy_records WHERE ended_ns < ?", (cutoff,))
+                    for table in ("llmproxy_rollup", "llmproxy_hist", "llmproxy_compacted", "llmproxy_dirty"):
+                        db.execute(f"DELETE FROM {table} WHERE hour < ?", (cutoff // C.HOUR_NS,))
                 if self.max_rows > 0:
-                    # SQLite numbers rows max(id) + 1 and deletes only from the oldest end, so the ids
-                    # are (nearly) contiguous: the newest max_rows are those above max(id) - max_rows,
-                    # found in the index at once (the OFFSET walk this replaces read the whole table,
-                    # every batch: 9% of the CPU of a busy proxy here).
-                    db.execute("DELETE FROM requests WHERE id <= (SELECT max(id) FROM requests) - ?", (self.max_rows,))
+                    # Ids are max(id) + 1 and deletes only take the oldest, so the newest max_rows are
+                    # those above max(id) - max_rows, found in the index at once.
+                    db.execute("DELETE FROM llmproxy_records WHERE id <= (SELECT max(id) FROM llmproxy_records) - ?", (self.max_rows,))
+            began = time.monotonic()
+            while time.monotonic() - began < BUDGET_S and (self._compact_one(db) or (_legacy(db) and self._move(db))):
+                pass
         except sqlite3.Error as exc:
             raise Unavailable(str(exc)) from None
+
+    def compact(self, before_hour: int | None = None) -> int:
+        """Every hour due (and before `before_hour`), now: how many were compacted (an import's)."""
+        db = self.db
+        assert db is not None
+        done = 0
+        while self._compact_one(db, before_hour):
+            done += 1
+        return done
+
+    @staticmethod
+    def _compact_one(db: sqlite3.Connection, before_hour: int | None = None) -> bool:
+        """The oldest hour that has ended, has records, and is not compacted or is dirty: its histograms
+        computed again from its records, in one transaction. False when none is due."""
+        with db:
+            db.execute("BEGIN IMMEDIATE")
+            due = db.execute("SELECT DISTINCT hour FROM llmproxy_rollup WHERE hour < ? AND (hour IN (SELECT hour FROM llmproxy_dirty) "
+                             "OR hour NOT IN (SELECT hour FROM llmproxy_compacted)) ORDER BY hour LIMIT 1",
+                             (min(A.compactable(time.time_ns()), before_hour if before_hour is not None else 1 << 62),)).fetchone()
+            if due is None:
+                return False
+            hour = int(due[0])
+            db.execute("DELETE FROM llmproxy_dirty WHERE hour = ?", (hour,))
+            db.execute("DELETE FROM llmproxy_hist WHERE hour = ?", (hour,))
+            db.execute(COMPACT, (hour, hour * C.HOUR_NS, (hour + 1) * C.HOUR_NS))
+            db.execute("INSERT OR REPLACE INTO llmproxy_compacted (hour, at_ns) VALUES (?, ?)", (hour, time.time_ns()))
+        return True
+
+    def _move(self, db: sqlite3.Connection) -> bool:
+        """One chunk of schema 1's records into this schema (named `instance/v1/id`), in one transaction."""
+        rows = db.execute("SELECT id, data FROM requests ORDER BY id LIMIT ?", (MOVE_CHUNK,)).fetchall()
+        if not rows:
+            return False
+        values = []
+        for legacy_id, data in rows:
+            record = orjson.loads(data)
+            record.setdefault("instance", "")
+            record["id"] = rid = f"{record['instance']}/v1/{legacy_id}"
+            values.append((*C.values(rid, record), orjson.dumps(record)))
+        self._insert(db, values, ("DELETE FROM requests WHERE id <= ?", (rows[-1][0],)))
+        return True
 
     def close(self) -> None:
         if self.db is not None:
             self.db.close()
             self.db = None
 
-    def recent(self, limit: int, filters: Filters) -> list[dict[str, Any]]:
-        return recent(self.path, limit, filters)
+    # Readers: a read-only connection each (WAL: they never block the writers).
 
+    def _read(self, sql: str, args: list[Any] | tuple[Any, ...]) -> list[tuple[Any, ...]]:
+        db = connect(self.path, 5.0, readonly=True)
+        try:
+            if not db.execute("SELECT 1 FROM sqlite_master WHERE name = 'llmproxy_records'").fetchone():
+                return []  # nothing written by this version yet
+            return db.execute(sql, args).fetchall()
+        finally:
+            db.close()
 
-INDEXED = ("model", "upstream", "outcome")  # filters on a column; the others read the record's JSON
+    def recent(self, limit: int, filters: Filters) -> list[bytes]:
+        """The newest `limit` records (every worker's), oldest first: for /llmproxy/requests and /ui."""
+        where, args = _where(filters)
+        rows = self._read(f"SELECT data FROM llmproxy_records{where} ORDER BY ended_ns DESC LIMIT ?", (*args, max(0, limit)))
+        return [bytes(row[0]) for row in reversed(rows)]
+
+    def aggregate(self, by: tuple[str, ...], window: A.Window, cells: bool = True) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+        db = connect(self.path, 5.0, readonly=True)
+        try:
+            if not db.execute("SELECT 1 FROM sqlite_master WHERE name = 'llmproxy_records'").fetchone():
+                return [], []  # nothing written by this version yet
+            if not cells:
+                ((sums, sargs),) = A.queries(A.SQLITE, by, window)
+                return db.execute(sums, sargs).fetchall(), []
+            with db:  # (one snapshot for the plan and both reads)
+                db.execute("BEGIN")
+                clean = db.execute("SELECT hour FROM llmproxy_compacted WHERE hour >= ? AND hour NOT IN (SELECT hour FROM llmproxy_dirty)",
+                                   (window.first_hour,)).fetchall()
+                (sums, sargs), (text, cargs) = A.queries(A.SQLITE, by, window, *window.split(h for (h,) in clean))
+                return db.execute(sums, sargs).fetchall(), db.execute(text, cargs).fetchall()
+        finally:
+            db.close()
+
+    def sample(self, fit: str, model: str, upstream: str, window: A.Window) -> list[tuple[int, float, float]]:
+        sql, args = A.sample(A.SQLITE, fit, window)
+        return self._read(sql, [model, upstream, *args])
+
+    def export(self, start_ns: int) -> Iterator[bytes]:
+        db = connect(self.path, 5.0, readonly=True)
+        try:
+            if db.execute("SELECT 1 FROM sqlite_master WHERE name = 'llmproxy_records'").fetchone():
+                for (data,) in db.execute("SELECT data FROM llmproxy_records WHERE ended_ns >= ? ORDER BY ended_ns", (start_ns,)):
+                    yield bytes(data)
+        finally:
+            db.close()
+
+    def pending(self) -> int:
+        db = connect(self.path, 5.0, readonly=True)
+        try:
+            return db.execute("SELECT count(*) FROM requests").fetchone()[0] if _legacy(db) else 0
+        finally:
+            db.close()
 
 
 def _where(filters: Filters) -> tuple[str, list[Any]]:
-    where: list[str] = []
-    args: list[Any] = []
-    for name, value in filters.equal():
-        where.append(f"{name} = ?" if name in INDEXED else f"json_extract(data, '$.{name}') = ?")
-        args.append(value)
-    if filters.verdict:
-        where.append("json_extract(data, '$.slo_good') = ?")
-        args.append(1 if filters.verdict == "good" else 0)
-    return (f"WHERE {' AND '.join(where)}" if where else ""), args
-
-
-def recent(path: str, limit: int, filters: Filters = Filters()) -> list[dict[str, Any]]:
-    """The newest `limit` records (every worker's), oldest first: for /llmproxy/requests and /ui."""
-    clause, args = _where(filters)
-    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5.0)
-    try:
-        rows = db.execute(f"SELECT data FROM requests {clause} ORDER BY id DESC LIMIT ?", (*args, max(0, limit))).fetchall()
-    finally:
-        db.close()
-    return [orjson.loads(row[0]) for row in reversed(rows)]
-
-
-def load(path: str, cutoff_ns: int, model: str = "") -> list[dict[str, Any]]:
-    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5.0)
-    try:
-        query = "SELECT data, upstream FROM requests WHERE ended_ns >= ?"
-        args: list[Any] = [cutoff_ns]
-        if model:
-            query += " AND model = ?"
-            args.append(model)
-        out = []
-        for data, upstream in db.execute(query, args):
-            record = orjson.loads(data)
-            record.setdefault("upstream", upstream)
-            out.append(record)
-        return out
-    finally:
-        db.close()
+    where = [f"{name} = ?" for name, _ in filters.equal()]
+    args: list[Any] = [value for _, value in filters.equal()]
+    if filters.min_ttft:
+        where.append("ttft_s >= ?")
+        args.append(filters.min_ttft)
+    return (f" WHERE {' AND '.join(where)}" if where else ""), args

@@ -1,0 +1,193 @@
+"""What Python makes of a window's counts (sql.py computes them in the store): one `Aggregate` per
+group, with its exact counts and sums, its histograms (a percentile is read within one bucket: 1%),
+its SLO verdicts and misses by blamed phase, and the fits' samples; `read` gathers them from one or
+more stores, `summary` is the live page's line.
+"""
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterable
+
+from . import columns as C
+from .sql import FIT_PARTS, KINDS, SAMPLE, SUMS, Window
+
+if TYPE_CHECKING:
+    from . import Backend, Filters
+
+
+@dataclass
+class Span:
+    """The first arrival and the last end of a population (wall clock, ns)."""
+
+    start: int | None = None
+    end: int | None = None
+
+    def add(self, start: int | None, end: int | None) -> None:
+        if start is not None:
+            self.start = start if self.start is None else min(self.start, start)
+        if end is not None:
+            self.end = end if self.end is None else max(self.end, end)
+
+    @property
+    def seconds(self) -> float:
+        return max(1e-9, ((self.end or 0) - (self.start or 0)) / 1e9)
+
+
+@dataclass
+class Judged:
+    """One objective's verdicts in a group."""
+
+    judged: int = 0
+    good: int = 0
+    span: Span = field(default_factory=Span)
+    misses: collections.Counter[tuple[str, str]] = field(default_factory=collections.Counter)
+
+
+@dataclass
+class Aggregate:
+    """One group's figures over a window: exact counts and sums, histograms, and the fits' samples."""
+
+    requests: int = 0
+    ok: int = 0
+    streams: int = 0
+    completion: int = 0
+    load_max: float = 0.0
+    ok_span: Span = field(default_factory=Span)
+    apis: collections.Counter[str] = field(default_factory=collections.Counter)
+    outcomes: collections.Counter[str] = field(default_factory=collections.Counter)
+    fits: dict[str, list[float]] = field(default_factory=lambda: {"prefill": [0.0] * 6, "decode": [0.0] * 6})
+    summary: dict[str, list[int]] = field(default_factory=lambda: {name: [0] * (len(b) + 1) for name, b in C.SUMMARY_BOUNDS.items()})
+    cells: dict[int, collections.Counter[int]] = field(default_factory=lambda: collections.defaultdict(collections.Counter))
+    slos: dict[str, Judged] = field(default_factory=lambda: collections.defaultdict(Judged))
+    slo_requests: collections.Counter[str] = field(default_factory=collections.Counter)  # judged or not
+    samples: dict[str, list[tuple[float, float]]] = field(default_factory=lambda: {"prefill": [], "decode": []})
+
+    def add_sums(self, kinds: dict[str, Any], sums: dict[str, Any]) -> None:
+        n = int(sums["requests"])
+        self.requests += n
+        self.apis[f"{kinds['api']} {kinds['endpoint']}"] += n
+        self.outcomes[kinds["outcome"]] += n
+        for name, bounds in C.SUMMARY_BOUNDS.items():  # [≤ first bound, ≤ second, …, all]: cumulative
+            counts = self.summary[name]
+            for i in range(len(bounds)):
+                counts[i] += int(sums[f"{name}_le_{i}"])
+            counts[-1] += int(sums[f"{name}_n"])
+        if kinds["outcome"] == "ok":
+            self.ok += n
+            self.streams += int(sums["streams"])
+            self.completion += int(sums["completion"])
+            self.load_max = max(self.load_max, float(sums["load_max"] or 0.0))
+            self.ok_span.add(sums["received_min"], sums["ended_max"])
+            for fit in ("prefill", "decode"):
+                acc = self.fits[fit]
+                for i, part in enumerate(FIT_PARTS):
+                    acc[i] += float(sums[f"{fit}_{part}"])
+        if kinds["slo"]:
+            self.slo_requests[kinds["slo"]] += n
+        if kinds["slo"] and kinds["verdict"]:
+            judged = self.slos[kinds["slo"]]
+            judged.judged += n
+            judged.good += n if kinds["verdict"] == "good" else 0
+            judged.span.add(sums["received_min"], sums["ended_max"])
+
+    def add_cell(self, slo: str, code: int, index: int, n: int) -> None:
+        if C.MISS <= code < C.MISS + len(C.MISSED):
+            self.slos[slo].misses[(C.MISSED[code - C.MISS], C.BLAMED[index])] += n
+        else:
+            self.cells[code][index] += n
+
+    def count(self, code: int) -> int:
+        return sum(self.cells.get(code, {}).values())
+
+    def quantile(self, code: int, q: float = 0.5, zeros: int = 0) -> float | None:
+        """The q-quantile of a figure (with `zeros` more values of 0), as `statistics.median` reads
+        ranks: between the two middle values for an even count. Within one bucket (1%)."""
+        counts = dict(self.cells.get(code) or {})
+        if zeros:
+            counts[C.ZERO] = counts.get(C.ZERO, 0) + zeros
+        total = sum(counts.values())
+        if total == 0:
+            return None
+        items = sorted(counts.items())
+        position = q * (total - 1)
+        low = int(position)
+        high = min(total - 1, low + (position > low))
+
+        def at(rank: int) -> float:
+            seen = 0
+            for index, n in items:
+                seen += n
+                if rank < seen:
+                    return float(index) if code in C.EXACT else C.middle(index)
+            return C.middle(items[-1][0])
+
+        a, b = at(low), at(high)
+        return a + (b - a) * (position - low)
+
+    def summary_quantile(self, name: str, q: float) -> float | None:
+        """A quantile of TTFT or end to end from the coarse buckets, as Prometheus' histogram_quantile
+        reads them: linear within the bucket; the last bound when it falls past it."""
+        bounds, counts = C.SUMMARY_BOUNDS[name], self.summary[name]
+        total = counts[-1]
+        if not total:
+            return None
+        rank, low, below = q * total, 0.0, 0
+        for bound, cumulative in zip(bounds, counts):
+            if cumulative >= rank:
+                return low + (bound - low) * ((rank - below) / max(1, cumulative - below))
+            low, below = bound, cumulative
+        return bounds[-1]
+
+    def levels(self) -> dict[int, int]:
+        """Requests per concurrency level they began decoding at."""
+        return dict(self.cells.get(C.LEVEL, {}))
+
+
+def fold(by: tuple[str, ...], sums: Iterable[tuple[Any, ...]], cells: Iterable[tuple[Any, ...]]) -> dict[tuple[str, ...], Aggregate]:
+    """The stores' rows (as `queries` selects them) into one Aggregate per group."""
+    out: dict[tuple[str, ...], Aggregate] = collections.defaultdict(Aggregate)
+    keys = (*by, *(k for k in KINDS if k not in by))
+    names = [name for name, _, _ in SUMS]
+    for row in sums:
+        values = dict(zip(keys, row))
+        out[tuple(values[k] for k in by)].add_sums(values, dict(zip(names, row[len(keys):])))
+    slo_at = by.index("slo") if "slo" in by else len(by)
+    for row in cells:
+        out[tuple(row[:len(by)])].add_cell(row[slo_at] or "", int(row[-3]), int(row[-2]), int(row[-1]))
+    return dict(out)
+
+
+def read(stores: list[Backend], by: tuple[str, ...], window: Window, samples: bool = False,
+         histograms: bool = True) -> dict[tuple[str, ...], Aggregate]:
+    """One window's aggregates over one or more stores, per group `by` (dimensions); without
+    `histograms`, counts and sums only; with `samples` (by model and upstream), each fit's sample: the
+    lowest keys of all the stores together."""
+    sums: list[tuple[Any, ...]] = []
+    cells: list[tuple[Any, ...]] = []
+    for store in stores:
+        more_sums, more_cells = store.aggregate(by, window, histograms)
+        sums += more_sums
+        cells += more_cells
+    groups = fold(by, sums, cells)
+    if samples:
+        for (model, upstream), agg in groups.items():
+            for fit in agg.samples:
+                points = sorted(point for store in stores for point in store.sample(fit, model, upstream, window))
+                agg.samples[fit] = [(x, y) for _, x, y in points[:SAMPLE]]
+    return groups
+
+
+def summary(store: Backend, since_s: float, filters: Filters) -> dict[str, Any]:
+    """A live page's summary of one store: the hours since `since_s` ago (from the start of that hour:
+    the aggregates alone), requests by outcome, TTFT and end-to-end percentiles, each SLO's attainment."""
+    start = time.time_ns() - int(since_s * 1e9) if since_s > 0 else 0
+    window = Window(start, tuple(filters.equal()), whole_hours=True)
+    agg = read([store], (), window, histograms=False).get((), Aggregate())
+    quantiles = {f"{name}_s": {f"p{round(q * 100)}": agg.summary_quantile(name, q) for q in (0.5, 0.9, 0.99)} for name in C.SUMMARY_BOUNDS}
+    out: dict[str, Any] = {"since_unix_ns": window.first_hour * C.HOUR_NS, "requests": agg.requests, "outcomes": dict(agg.outcomes.most_common()),
+                           **quantiles, "slo": {name: {"judged": j.judged, "good": j.good, "attainment": j.good / j.judged if j.judged else None}
+                                                for name, j in sorted(agg.slos.items())},
+                           "precision": "percentiles within their bucket of the Prometheus histograms (linear inside it, as histogram_quantile)"}
+    return out

@@ -1,0 +1,102 @@
+"""PostgreSQL's day partitions of the records and their aggregates (`llmproxy_records_YYYYMMDD`, …):
+made `DAYS_AHEAD` days ahead and for any day a batch brings (an import's history), each as a plain
+table then ATTACHed, which takes SHARE UPDATE EXCLUSIVE on the parent, so writers and readers never
+wait for it (CREATE TABLE … PARTITION OF would take ACCESS EXCLUSIVE); dropped whole when all of a
+day is older than the age limit, or while the newer days hold the row cap (the planner's counts):
+DETACH … CONCURRENTLY, then DROP. No DELETE, no bloat. A drop interrupted half way (a detach
+pending) is finished at the next pass.
+"""
+from __future__ import annotations
+
+import datetime
+import re
+import time
+from typing import Any, Iterable
+
+import psycopg
+
+from . import columns as C
+
+TABLE, ROLLUP, HIST = "llmproxy_records", "llmproxy_rollup", "llmproxy_hist"
+PARENTS = (TABLE, ROLLUP, HIST)
+PARTITION_LOCK = 0x6C6D7003  # advisory lock ("lm" p 3): one replica makes a day's partitions
+DAYS_AHEAD = 2
+EPOCH = datetime.date(1970, 1, 1)
+
+
+def _day(name: str) -> int | None:
+    """The day (since the epoch) a partition's name holds."""
+    match = re.search(r"_(\d{8})$", name)
+    if not match:
+        return None
+    return (datetime.datetime.strptime(match.group(1), "%Y%m%d").date() - EPOCH).days
+
+
+def _partition(parent: str, day: int) -> tuple[str, int, int]:
+    """(name, from, to) of a parent's partition for one day (records by ns, aggregates by hour)."""
+    stamp = (EPOCH + datetime.timedelta(days=day)).strftime("%Y%m%d")
+    low, high = (day * C.DAY_NS, (day + 1) * C.DAY_NS) if parent == TABLE else (day * 24, (day + 1) * 24)
+    return f"{parent}_{stamp}", low, high
+
+
+class Partitions:
+    """The days whose partitions exist (as this connection has seen them), and the drops."""
+
+    def __init__(self) -> None:
+        self.days: set[int] = set()
+
+    def ahead(self, conn: psycopg.Connection[Any]) -> None:
+        today = time.time_ns() // C.DAY_NS
+        self.ensure(conn, range(today, today + DAYS_AHEAD + 1))
+
+    def ensure(self, conn: psycopg.Connection[Any], days: Iterable[int]) -> None:
+        """Every table's partition for these days: made whole, then attached (writers never wait)."""
+        for day in sorted(set(days) - self.days):
+            with conn.transaction():
+                conn.execute("SELECT pg_advisory_xact_lock(%s)", (PARTITION_LOCK,))
+                for parent in PARENTS:
+                    name, low, high = _partition(parent, day)
+                    if conn.execute("SELECT to_regclass(%s)", (name,)).fetchone()[0] is None:  # type: ignore[index]
+                        fill = "" if parent == TABLE else " WITH (fillfactor = 70)"  # (the aggregates' rows are updated in place)
+                        conn.execute(f"CREATE TABLE {name} (LIKE {parent} INCLUDING DEFAULTS){fill}")
+                        conn.execute(f"ALTER TABLE {parent} ATTACH PARTITION {name} FOR VALUES FROM ({low}) TO ({high})")
+            self.days.add(day)
+
+    @staticmethod
+    def _partitions(conn: psycopg.Connection[Any], parent: str) -> list[tuple[int, str, float, bool]]:
+        """(day, name, estimated rows (-1: never counted), detach pending) of a parent's partitions, oldest first."""
+        rows = conn.execute("SELECT c.relname, c.reltuples, i.inhdetachpending FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
+                            "WHERE i.inhparent = %s::regclass", (parent,)).fetchall()
+        return sorted((day, name, tuples, pending) for name, tuples, pending in rows if (day := _day(name)) is not None)
+
+    def expired(self, conn: psycopg.Connection[Any], max_age_s: float, max_rows: int) -> list[str]:
+        """The partitions to drop: past the age limit (a whole day older than it), then the oldest days
+        while the newer ones hold --records-max-rows; and any a drop left half detached."""
+        out: list[str] = []
+        cutoff_day = (time.time_ns() - int(max_age_s * 1e9)) // C.DAY_NS if max_age_s > 0 else None  # days before it are past
+        records = self._partitions(conn, TABLE)
+        gone: set[int] = {day for day, _, _, _ in records if cutoff_day is not None and day < cutoff_day}
+        if max_rows > 0 and any(rows < 0 for _, _, rows, _ in records):  # (never counted yet: a sample now)
+            for _, name, rows, _ in records:
+                if rows < 0:
+                    conn.execute(f"ANALYZE {name}")
+            records = self._partitions(conn, TABLE)
+        if max_rows > 0:
+            kept = [r for r in records if r[0] not in gone]
+            total = sum(max(0.0, rows) for _, _, rows, _ in kept)
+            for day, _, rows, _ in kept[:-1]:  # (never the newest)
+                if total - rows < max_rows:
+                    break
+                gone.add(day)
+                total -= max(0.0, rows)
+        for parent in PARENTS:
+            out += [name for day, name, _, pending in self._partitions(conn, parent) if day in gone or pending]
+        return out
+
+    def drop(self, conn: psycopg.Connection[Any], name: str) -> None:
+        parent = next(p for p in PARENTS if name.startswith(p + "_"))
+        pending = conn.execute("SELECT inhdetachpending FROM pg_inherits WHERE inhrelid = %s::regclass", (name,)).fetchone()
+        if pending is not None:
+            conn.execute(f"ALTER TABLE {parent} DETACH PARTITION {name} {'FINALIZE' if pending[0] else 'CONCURRENTLY'}")
+        conn.execute(f"DROP TABLE IF EXISTS {name}")
+        self.days.discard(_day(name) or -1)

@@ -1,0 +1,159 @@
+"""`explain` from the store's aggregates gives the answers it gave when it read every record: the same
+fixed set of a fleet's records through today's code (tests/explain_reference.py: every record loaded
+and read in Python) and through a store (counted by its SQL), compared figure by figure: counts and
+SLO verdicts exact, fits within 1% (the same points: a group holds under 300 of them), percentiles
+within 1% (the log buckets' bound), figures derived from several percentiles within their sum.
+
+Both of a store's read paths are held to it: a window read from the records themselves, and the same
+window once its hours are compacted into histograms; and a window whose start falls inside an hour
+(its first partial hour from the records, the rest from the aggregates) against the oracle on the
+records that ended inside it."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+import explain_reference as reference
+import fleet
+from proxy import budget
+from proxy.explain import explain, gather, of_records
+from proxy.records import Backend
+from proxy.records.aggregate import read
+from proxy.records.sql import Window
+from proxy.records import columns as C
+
+HOUR_NS = C.HOUR_NS
+COUNTS = {"requests", "ok", "streams", "n", "judged", "good", "bad", "levels", "peak_streams", "requests"}
+EXACT = {"attainment", "budget_left", "goodput_rps", "throughput_rps", "window_s", "aggregate_output_tps", "max_s", "target", "tpot_s"}
+DERIVED = {"share", "crossover_prompt_tokens", "streams", "headroom"}  # several percentiles (or a fit and a percentile) in one figure
+
+
+def fixed_set(n: int = 1200, hours: float = 6.0) -> list[dict[str, Any]]:
+    """The fixed set: 20 models (no group over 300 fit points), 4 replicas, every outcome, verdicts and
+    blame, ending over the last `hours` (so that whole hours can be compacted)."""
+    end = (time.time_ns() // HOUR_NS - 1) * HOUR_NS  # (ended an hour ago and more: every hour may be compacted)
+    return list(fleet.records(n, end - int(hours * 3600e9), hours * 3600, models=20, instances=4, seed=11))
+
+
+def differences(new: Any, old: Any, path: str = "") -> list[str]:
+    """Where the two reports disagree beyond what each kind of figure may (`limit`)."""
+    if isinstance(old, dict):
+        out = [f"{path}/{key}: missing" for key in (set(old) ^ set(new)) - {"method"}]
+        return out + [d for key in old if key in new for d in differences(new[key], old[key], f"{path}/{key}")]
+    if isinstance(old, list):
+        return [d for i, (a, b) in enumerate(zip(new, old)) for d in differences(a, b, f"{path}[{i}]")] if len(new) == len(old) else [f"{path}: length"]
+    if isinstance(old, bool) or not isinstance(old, (int, float)):
+        return [] if new == old or "/diagnosis" in path else [f"{path}: {new!r} != {old!r}"]  # (the diagnosis: its numbers, rounded)
+    bound = limit(path.split("/")[1:])
+    return [] if abs(new - old) <= bound * abs(old) + 1e-12 else [f"{path}: {new!r} vs {old!r} ({(new - old) / old if old else new:+.2%})"]
+
+
+def limit(keys: list[str]) -> float:
+    """The relative difference a figure may show: 0 for a count, float rounding for what is summed or
+    fitted from the same points, a bucket (1%) for a percentile, the sum of a few for a derived one."""
+    leaf = keys[-1]
+    if leaf in COUNTS or "apis" in keys or "misses" in keys:
+        return 0.0
+    if leaf in EXACT or "objectives" in keys or "prefill" in keys[1:2] or ("decode" in keys[1:2] and leaf in ("intercept", "slope", "r2")):
+        return 1e-9
+    if leaf in DERIVED:
+        return 0.03
+    return 0.01 + 1e-9
+
+
+@pytest.fixture(scope="module")
+def records() -> list[dict[str, Any]]:
+    return fixed_set()
+
+
+@pytest.fixture(scope="module")
+def store(records: list[dict[str, Any]]) -> Backend:
+    return of_records(records)
+
+
+def oracle(records: list[dict[str, Any]]) -> dict[str, Any]:
+    return reference.explain(records, objectives=fleet.OBJECTIVES)
+
+
+def test_the_fixed_set_is_what_it_claims(records):
+    fits = {}
+    for r in records:
+        if C.prefill_point(r):
+            fits[r["model"]] = fits.get(r["model"], 0) + 1
+    assert len({r["model"] for r in records}) == 20 and len({r["instance"] for r in records}) == 4
+    assert max(fits.values()) < 300 and {r["outcome"] for r in records} == {"ok", "upstream_error", "client_disconnect", "timeout"}
+    assert {m for r in records for m in (r.get("slo_blame") or {})} >= {"ttft", "tpot", "error"}
+
+
+def test_the_store_answers_as_every_record_did(records, store):
+    old, new = oracle(records), explain(gather([store]), objectives=fleet.OBJECTIVES)
+    assert sorted(new) == sorted(old)
+    assert differences(new, old) == []
+    summaries = budget.summary(read([store], ("slo",), Window()), fleet.OBJECTIVES)
+    assert differences(summaries, reference.summary(records, fleet.OBJECTIVES)) == []
+
+
+def test_compacted_hours_answer_as_the_records_do(records):
+    store = of_records(records)
+    before = explain(gather([store]), objectives=fleet.OBJECTIVES)
+    store.open()
+    try:
+        assert store.compact() >= 6  # every hour the set spans
+    finally:
+        store.close()
+    after = explain(gather([store]), objectives=fleet.OBJECTIVES)
+    assert differences(after, before) == [] and after.keys() == before.keys()
+    late = {**records[5], "id": "late-1"}  # a record reaching a compacted hour: the hour is counted again
+    store.open()
+    try:
+        store.write([store_row(late)])
+        assert store.compact() == 1
+    finally:
+        store.close()
+    again = explain(gather([store]), objectives=fleet.OBJECTIVES)
+    name = f"{late['model']} @ {late['upstream']}"
+    assert again[name]["requests"] == before[name]["requests"] + 1
+    assert differences(again, oracle(records + [late])) == []
+
+
+def store_row(record: dict[str, Any]) -> Any:
+    import orjson
+
+    from proxy.records import Writer
+
+    return Writer.row(orjson.dumps(record))
+
+
+def test_a_window_starting_inside_an_hour(records):
+    """--since: its first partial hour read from the records, the rest from the aggregates (compacted)."""
+    store = of_records(records)
+    store.open()
+    try:
+        store.compact()
+    finally:
+        store.close()
+    start = max(C.ended_ns(r) for r in records) - int(2.5 * 3600e9)  # two and a half hours before the last: half an hour in
+    assert start % HOUR_NS != 0
+    window = Window(start)
+    inside = [r for r in records if C.ended_ns(r) >= start]
+    new = explain(gather([store], window), objectives=fleet.OBJECTIVES)
+    assert sum(g["requests"] for g in new.values()) == len(inside)
+    assert differences(new, oracle(inside)) == []
+
+
+def test_percentiles_are_within_one_bucket_of_the_value():
+    from proxy.records.aggregate import Aggregate
+
+    agg = Aggregate()
+    values = [0.001 * 1.37 ** k for k in range(40)]
+    for v in values:
+        agg.add_cell("", C.TTFT, C.bucket(v), 1)
+    ordered = sorted(values)
+    for q in (0.0, 0.25, 0.5, 0.9, 1.0):
+        position = q * (len(ordered) - 1)
+        low = int(position)
+        truth = ordered[low] + (ordered[min(low + 1, len(ordered) - 1)] - ordered[low]) * (position - low)
+        assert agg.quantile(C.TTFT, q) == pytest.approx(truth, rel=C.GAMMA ** 0.5 - 1 + 1e-9)
+    assert agg.quantile(C.TTFT, 0.5, zeros=100) == 0.0  # (a phase most records lack: its median is 0)

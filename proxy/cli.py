@@ -116,7 +116,7 @@ def explain(args: argparse.Namespace) -> int:
     if args.json:
         print(to_json(report))
     else:
-        for name, summary in budget.summary(read(stores, ("slo",), window), objectives).items():
+        for name, summary in budget.summary(read(stores, ("slo",), window, histograms=False), objectives).items():
             print("\n".join(budget.render(name, summary)))
         print(render(report))
     if args.plot:
@@ -146,7 +146,7 @@ def records_import(args: argparse.Namespace) -> int:
     password_file = args.db_password_file or os.environ.get("LLMPROXY_RECORDS_DB_PASSWORD_FILE", "")
     done = run_import(sys.stdin.buffer, lambda: open_backend(args.db, password_file=password_file), lambda line: print(line, file=sys.stderr))
     print(f"{done.lines:,} lines read, {done.stored:,} records stored, {done.skipped:,} skipped (already held), {done.rejected:,} not records, "
-          f"{done.dropped:,} dropped, {done.hours:,} hours compacted; {done.seconds:.1f} s, {done.lines / max(done.seconds, 1e-9):,.0f} "
+          f"{done.dropped:,} dropped, {done.compacted:,} blocks and hours compacted; {done.seconds:.1f} s, {done.lines / max(done.seconds, 1e-9):,.0f} "
           "lines/s", file=sys.stderr)
     return 1 if done.dropped or done.rejected else 0
 

@@ -206,7 +206,7 @@ def print_slo(store: Any, objectives: Any) -> None:
     table = Table(title="Service-level objectives, judged on every request above (--slo)")
     for column in ("slo", "objectives", "judged", "attainment", "target", "budget left", "goodput", "misses by blamed phase", "capacity"):
         table.add_column(column, justify="right", no_wrap=True)
-    summaries = budget.summary(read([store], ("slo",), Window()), objectives)
+    summaries = budget.summary(read([store], ("slo",), Window(), histograms=False), objectives)
     for o in objectives:
         s = summaries[o.name]
         stated = " ".join(f"{name} {value * 1000:g}ms" if value < 1 else f"{name} {value:g}s" for name, value in o.thresholds.items())

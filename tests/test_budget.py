@@ -39,7 +39,7 @@ def record(good, blame=None, decode_tps=None, in_flight=None, at=0.0):
 def test_attainment_budget_and_misses_from_records():
     records = [record(True, at=i) for i in range(16)] + [record(False, {"ttft": "queue"}, at=16), record(False, {"ttft": "queue"}, at=17),
                                                          record(False, {"ttft": "prefill", "tpot": "decode"}, at=18), record(None, at=19)]
-    by_slo = read([of_records(records)], ("slo",), Window())  # (through a store: what explain reads)
+    by_slo = read([of_records(records)], ("slo",), Window(), histograms=False)  # (through a store: what explain reads)
     s = budget.attainment(by_slo[("chat",)].slos["chat"], OBJECTIVES[0])
     assert (s["judged"], s["good"], s["bad"]) == (19, 16, 3)
     assert s["attainment"] == pytest.approx(16 / 19)

@@ -19,6 +19,7 @@ import pytest
 
 from proxy.demo import free_port
 from proxy.records import Filters, Writer
+from proxy.records import codec
 from proxy.records import columns as C
 from proxy.records.postgres import STORE_VERSION, TABLE, PostgresBackend, migrate, connect, redact
 
@@ -35,7 +36,7 @@ def pg() -> Iterator[Postgres]:
     server.destroy()
 
 
-TABLES = (TABLE, "llmproxy_rollup", "llmproxy_hist", "llmproxy_compacted", "llmproxy_dirty")
+TABLES = (TABLE, "llmproxy_rollup", "llmproxy_hist", "llmproxy_hist_block", "llmproxy_compacted", "llmproxy_dirty")
 
 
 @pytest.fixture
@@ -105,7 +106,7 @@ def test_three_replicas_give_one_explain_and_one_ui_of_all_their_traffic(sim, cl
     stored = pg.query(f"SELECT instance, count(*), count(DISTINCT rid) FROM {TABLE} WHERE model LIKE 'model-%' GROUP BY instance ORDER BY instance")
     assert stored == [("pod-0", 20, 20), ("pod-1", 20, 20), ("pod-2", 20, 20)]
     logs = "".join((tmp_path / f"pod-{i}.log").read_text() for i in range(3))
-    everything = logs + metrics + done.stdout + json.dumps(fleet) + str(pg.query(f"SELECT data::text FROM {TABLE}"))
+    everything = logs + metrics + done.stdout + json.dumps(fleet) + str([codec.unpack(d) for (d,) in pg.query(f"SELECT data FROM {TABLE}")])
     assert pg.password not in everything and "do-not-log" not in everything
 
 
@@ -257,7 +258,7 @@ def test_retention_drops_whole_days_past_the_age_and_the_row_cap(clean):
     assert rows(pg) == 80 and len(partitions(pg)) == len(days) - 2
     assert [name for name in days if name not in partitions(pg)] == days[:2]
     assert len(partitions(pg, "llmproxy_hist")) == len(partitions(pg)) == len(partitions(pg, "llmproxy_rollup"))
-    assert pg.query("SELECT min(hour) FROM llmproxy_rollup")[0][0] >= (today - 3) * 24
+    assert pg.query("SELECT min(start) FROM llmproxy_rollup")[0][0] >= (today - 3) * 86400_000_000_000
     store.max_rows = 30  # the oldest days go while the newer ones hold 30 records (the planner's count): today and yesterday stay
     store.retain()
     assert rows(pg) == 40 and pg.query(f"SELECT min(ended_ns) FROM {TABLE}")[0][0] >= (today - 1) * 86400_000_000_000
@@ -336,7 +337,7 @@ def test_schema_1_moves_in_place_while_old_replicas_keep_writing(clean):
     new.retain()
     new.close()
     assert new.pending() == 0 and rows(pg) == 350
-    stored = {r["id"] for r in (json.loads(d) for (d,) in pg.query(f"SELECT data FROM {TABLE}"))}
+    stored = {r["id"] for r in (json.loads(codec.unpack(d)) for (d,) in pg.query(f"SELECT data FROM {TABLE}"))}
     assert stored == {r["id"] for r in records}  # each under its own id
     got = explain(gather([new]), objectives=fleet.OBJECTIVES)
     assert differences(got, explain_reference.explain(records, objectives=fleet.OBJECTIVES)) == []

@@ -72,6 +72,7 @@ def test_every_outcome_is_written_and_nothing_secret_is(proxy_factory, tmp_path)
     assert first["content_chunks"] == 12 and len(first["content_offsets_ms"]) == 12 and first["upstream"]
     assert first["in_flight_at_decode"] == 1 and first["received_unix_ns"] > 1.7e18
     raw = b"".join(p.read_bytes() for p in tmp_path.iterdir() if p.name.startswith("records.sqlite"))
+    raw += b"".join(SQLiteBackend(str(path)).export(0))  # (each record's JSON is stored compressed: read back whole too)
     assert KEY.encode() not in raw and b"RECORDS-SECRET" not in raw and b"PROMPT-MARKER" not in raw
     assert len(text) > 20 and text.encode() not in raw  # nor the completion
 

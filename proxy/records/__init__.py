@@ -110,9 +110,10 @@ class Backend(Protocol):
     def aggregate(self, by: tuple[str, ...], window: Window, cells: bool = True) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]: ...
     # (aggregate.queries: the sums' rows and, with `cells`, the histograms' rows)
 
-    def compact(self, before_hour: int | None = None) -> int: ...  # on the writer's connection: the hours due (and before that one) compacted now
+    def compact(self, before_ns: int = 1 << 62) -> int: ...  # on the writer's connection: what is due (ending before that) compacted now
 
-    def sample(self, fit: str, model: str, upstream: str, window: Window) -> list[tuple[int, float, float]]: ...  # (key, x, y)
+    def samples(self, wanted: list[tuple[str, str, str]], window: Window) -> list[list[tuple[int, float, float]]]: ...
+    # (each (fit, model, upstream)'s sample: (key, x, y), on one connection)
 
     def export(self, start_ns: int) -> Iterator[bytes]: ...  # every record's JSON since start_ns, oldest first
 

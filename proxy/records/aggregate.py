@@ -91,12 +91,12 @@ class Aggregate:
             judged.judged += n
             judged.good += n if kinds["verdict"] == "good" else 0
             judged.span.add(sums["received_min"], sums["ended_max"])
+            for pair in kinds["blame"].split(";") if kinds["blame"] else ():
+                missed, _, blamed = pair.partition("=")
+                judged.misses[(missed, blamed)] += n
 
-    def add_cell(self, slo: str, code: int, index: int, n: int) -> None:
-        if C.MISS <= code < C.MISS + len(C.MISSED):
-            self.slos[slo].misses[(C.MISSED[code - C.MISS], C.BLAMED[index])] += n
-        else:
-            self.cells[code][index] += n
+    def add_cell(self, code: int, index: int, n: int) -> None:
+        self.cells[code][index] += n
 
     def count(self, code: int) -> int:
         return sum(self.cells.get(code, {}).values())
@@ -153,9 +153,8 @@ def fold(by: tuple[str, ...], sums: Iterable[tuple[Any, ...]], cells: Iterable[t
     for row in sums:
         values = dict(zip(keys, row))
         out[tuple(values[k] for k in by)].add_sums(values, dict(zip(names, row[len(keys):])))
-    slo_at = by.index("slo") if "slo" in by else len(by)
     for row in cells:
-        out[tuple(row[:len(by)])].add_cell(row[slo_at] or "", int(row[-3]), int(row[-2]), int(row[-1]))
+        out[tuple(row[:len(by)])].add_cell(int(row[-3]), int(row[-2]), int(row[-1]))
     return dict(out)
 
 
@@ -172,21 +171,22 @@ def read(stores: list[Backend], by: tuple[str, ...], window: Window, samples: bo
         cells += more_cells
     groups = fold(by, sums, cells)
     if samples:
-        for (model, upstream), agg in groups.items():
-            for fit in agg.samples:
-                points = sorted(point for store in stores for point in store.sample(fit, model, upstream, window))
-                agg.samples[fit] = [(x, y) for _, x, y in points[:SAMPLE]]
+        wanted = [(fit, model, upstream) for model, upstream in groups for fit in ("prefill", "decode")]
+        found = [store.samples(wanted, window) for store in stores]
+        for i, (fit, model, upstream) in enumerate(wanted):
+            points = sorted(point for rows in found for point in rows[i])  # (the lowest keys of every store together)
+            groups[(model, upstream)].samples[fit] = [(x, y) for _, x, y in points[:SAMPLE]]
     return groups
 
 
 def summary(store: Backend, since_s: float, filters: Filters) -> dict[str, Any]:
-    """A live page's summary of one store: the hours since `since_s` ago (from the start of that hour:
-    the aggregates alone), requests by outcome, TTFT and end-to-end percentiles, each SLO's attainment."""
+    """A live page's summary of one store since `since_s` ago (from the start of that ten-minute block:
+    the rollup alone), requests by outcome, TTFT and end-to-end percentiles, each SLO's attainment."""
     start = time.time_ns() - int(since_s * 1e9) if since_s > 0 else 0
-    window = Window(start, tuple(filters.equal()), whole_hours=True)
+    window = Window(start, tuple(filters.equal()), whole_blocks=True)
     agg = read([store], (), window, histograms=False).get((), Aggregate())
     quantiles = {f"{name}_s": {f"p{round(q * 100)}": agg.summary_quantile(name, q) for q in (0.5, 0.9, 0.99)} for name in C.SUMMARY_BOUNDS}
-    out: dict[str, Any] = {"since_unix_ns": window.first_hour * C.HOUR_NS, "requests": agg.requests, "outcomes": dict(agg.outcomes.most_common()),
+    out: dict[str, Any] = {"since_unix_ns": window.first_block, "requests": agg.requests, "outcomes": dict(agg.outcomes.most_common()),
                            **quantiles, "slo": {name: {"judged": j.judged, "good": j.good, "attainment": j.good / j.judged if j.judged else None}
                                                 for name, j in sorted(agg.slos.items())},
                            "precision": "percentiles within their bucket of the Prometheus histograms (linear inside it, as histogram_quantile)"}

@@ -4,14 +4,14 @@ One definition, written by both stores (`sqlite.py`, `postgres.py`) and read by 
 
 - **columns** (`COLUMNS`, `values`): what the list's filters and the fits' samples read (TTFT,
   end to end, the verdict, the fits' points), and every figure a percentile is read of: each phase,
-  prompt and output tokens, decode tok/s, the concurrency a stream began decoding at, the phase each
-  SLO miss blamed; the record's `series` (a hash of what it is counted by: instance, model,
-  upstream, API, endpoint, outcome, objective, verdict) and `key` (a hash of its id: the sample's
-  order, and with the model, upstream and end time the key that stores it once).
+  prompt and output tokens, decode tok/s, the concurrency a stream began decoding at; the record's
+  `series` (a hash of what it is counted by: instance, model, upstream, API, endpoint, outcome,
+  objective, verdict, and what an SLO miss blamed) and `key` (a hash of its id: the sample's order,
+  and with the end time the key that stores it once).
 - **figures** (`FIGURES`): each a code, the records it is read over (its population) and an SQL
   expression of the columns. A figure's value counts in a logarithmic bucket of ratio `GAMMA`, so
-  that any value lies within 1% of its bucket's geometric middle; the concurrency levels and the
-  blamed phases are counted by value. The stores count (code, bucket) pairs with this SQL, over the
+  that any value lies within 1% of its bucket's geometric middle; the concurrency levels are
+  counted by value. The stores count (code, bucket) pairs with this SQL, over the
   records of an hour when they compact it and over the rest of a window when it is read; Python
   only reads the counts back.
 
@@ -33,23 +33,21 @@ from ..buckets import DURATION_BUCKETS, TTFT_BUCKETS
 GAMMA = 1.02  # bucket ratio: a value is within sqrt(GAMMA) - 1 = 0.995% of its bucket's middle
 LN_GAMMA = math.log(GAMMA)
 ZERO = -(1 << 19)  # the bucket of 0 (and of anything below 1e-300, which no duration is)
-HOUR_NS = 3600 * 1_000_000_000  # the aggregates' time bucket: a record counts in the hour it ended
+HOUR_NS = 3600 * 1_000_000_000
 DAY_NS = 24 * HOUR_NS
 
 PHASES = ("client", "proxy", "network", "tokenize", "queue", "load", "reasoning", "prefill", "decode", "server")
 PHASE_CODES = {name: code for code, name in enumerate(PHASES, start=1)}  # 1-31
-OUTPUT, PROMPT, LOAD, QUEUE, DECODE_TPS, DECODE_ITL, LEVEL, TTFT, E2E = range(32, 41)
-MISS = 64  # + the missed objective's index in MISSED; the bucket is the blamed name's index in BLAMED
-MISSED = ("ttft", "tpot", "e2e", "error")
-BLAMED = ("other", *PHASES, "upstream_error", "client_disconnect", "client_slow", "timeout", "proxy_error", "overloaded")
-EXACT = frozenset({LEVEL, *range(MISS, MISS + len(MISSED))})  # counted by value, not in a log bucket
+OUTPUT, PROMPT, LOAD, QUEUE, DECODE_TPS, DECODE_ITL, LEVEL = range(32, 39)  # (39, 40: reserved)
+EXACT = frozenset({LEVEL})  # counted by value, not in a log bucket (64-67: reserved)
 
 # The typed columns, in the order `values` gives them (the stores' schemas declare them in this order).
-DIMENSIONS = ("instance", "model", "upstream", "api", "endpoint", "outcome", "slo", "verdict")  # what `series` hashes
+# What `series` hashes. `blame`: an SLO miss's objectives and the phase each blamed ("tpot=decode;ttft=prefill"),
+# few distinct, so the misses by blamed phase are counted exactly with the rest.
+DIMENSIONS = ("instance", "model", "upstream", "api", "endpoint", "outcome", "slo", "verdict", "blame")
 REALS = ("ttft_s", "duration_s", "decode_tps", *(f"ph_{p}" for p in PHASES), "px", "py", "dx", "dy")
 INTEGERS = ("completion", "prompt", "output", "in_flight")
-TEXTS = tuple(f"blame_{m}" for m in MISSED)
-COLUMNS = ("rid", "key", "ended_ns", "received_ns", "series", *DIMENSIONS, *REALS, *INTEGERS, *TEXTS)
+COLUMNS = ("rid", "key", "ended_ns", "received_ns", "series", *DIMENSIONS, *REALS, *INTEGERS)
 
 OK = "outcome = 'ok'"
 STREAM = "outcome = 'ok' AND ttft_s IS NOT NULL"
@@ -62,10 +60,6 @@ class Figure:
     value: str  # SQL over the columns: a value (log-bucketed), or for an exact figure its bucket
 
 
-def _blamed(column: str) -> str:
-    return f"CASE {column} " + " ".join(f"WHEN '{name}' THEN {i}" for i, name in enumerate(BLAMED) if i) + " ELSE 0 END"
-
-
 FIGURES = (
     *(Figure(PHASE_CODES[p], f"{OK} AND ph_{p} IS NOT NULL", f"ph_{p}") for p in PHASES),
     Figure(OUTPUT, f"{OK} AND output IS NOT NULL", "output"),
@@ -75,9 +69,6 @@ FIGURES = (
     Figure(DECODE_TPS, f"{STREAM} AND decode_tps > 0", "decode_tps"),
     Figure(DECODE_ITL, "dy IS NOT NULL", "dy"),
     Figure(LEVEL, f"{STREAM} AND decode_tps > 0 AND in_flight > 0", "in_flight"),
-    Figure(TTFT, "ttft_s IS NOT NULL", "ttft_s"),
-    Figure(E2E, "true", "duration_s"),
-    *(Figure(MISS + i, f"blame_{m} IS NOT NULL", _blamed(f"blame_{m}")) for i, m in enumerate(MISSED)),
 )
 
 
@@ -139,19 +130,21 @@ def decode_point(record: dict[str, Any]) -> tuple[float, float] | None:
     return float(record["in_flight_at_decode"]), 1.0 / tps
 
 
-def _real(value: Any) -> float | None:
-    return None if value is None else float(value)
-
-
 def values(rid: str, record: dict[str, Any]) -> tuple[Any, ...]:
-    """The typed columns of one record, in `COLUMNS` order."""
-    dims = (str(record.get("instance") or ""), record["model"], record.get("upstream") or "", record.get("api") or "other",
-            record.get("endpoint") or "other", record["outcome"], record.get("slo") or "", verdict(record))
-    phases = record.get("phases_s") or {}
-    completion = record.get("completion_tokens")
-    blame = record.get("slo_blame") or {}
-    return (rid, _hash(rid), ended_ns(record), int(record["received_unix_ns"]), series(dims), *dims,
-            _real(record.get("ttft_s")), float(record["duration_s"]), _real(record.get("decode_tokens_per_second")),
-            *(_real(phases.get(p)) for p in PHASES), *(prefill_point(record) or (None, None)), *(decode_point(record) or (None, None)),
-            int(completion or 0), record.get("prompt_tokens"), completion - (record.get("hidden_reasoning_tokens") or 0) if completion else None,
-            record.get("in_flight_at_decode"), *(blame.get(m) for m in MISSED))
+    """The typed columns of one record, in `COLUMNS` order. (The hot part of an import: written for speed.)"""
+    get = record.get
+    received = int(record["received_unix_ns"])
+    duration = float(record["duration_s"])
+    good = get("slo_good")
+    blame = get("slo_blame")
+    dims = (str(get("instance") or ""), record["model"], get("upstream") or "", get("api") or "other", get("endpoint") or "other",
+            record["outcome"], get("slo") or "", "" if good is None else "good" if good else "miss",
+            ";".join(f"{missed}={blamed}" for missed, blamed in sorted(blame.items())) if blame else "")
+    phases = get("phases_s") or {}
+    completion = get("completion_tokens")
+    ttft, tps = get("ttft_s"), get("decode_tokens_per_second")
+    return (rid, _hash(rid), received + round(duration * 1e9), received, series(dims), *dims,
+            None if ttft is None else float(ttft), duration, None if tps is None else float(tps),
+            *[None if (v := phases.get(p)) is None else float(v) for p in PHASES], *(prefill_point(record) or (None, None)),
+            *(decode_point(record) or (None, None)), int(completion or 0), get("prompt_tokens"),
+            completion - (get("hidden_reasoning_tokens") or 0) if completion else None, get("in_flight_at_decode"))

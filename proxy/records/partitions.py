@@ -16,9 +16,10 @@ from typing import Any, Iterable
 import psycopg
 
 from . import columns as C
+from .sql import BLOCKS_KEPT_S
 
-TABLE, ROLLUP, HIST = "llmproxy_records", "llmproxy_rollup", "llmproxy_hist"
-PARENTS = (TABLE, ROLLUP, HIST)
+TABLE, ROLLUP, HIST, HIST_BLOCK = "llmproxy_records", "llmproxy_rollup", "llmproxy_hist", "llmproxy_hist_block"
+PARENTS = (TABLE, ROLLUP, HIST, HIST_BLOCK)  # each by the end time of a record, or the start of a block or hour (ns)
 PARTITION_LOCK = 0x6C6D7003  # advisory lock ("lm" p 3): one replica makes a day's partitions
 DAYS_AHEAD = 2
 EPOCH = datetime.date(1970, 1, 1)
@@ -33,10 +34,8 @@ def _day(name: str) -> int | None:
 
 
 def _partition(parent: str, day: int) -> tuple[str, int, int]:
-    """(name, from, to) of a parent's partition for one day (records by ns, aggregates by hour)."""
-    stamp = (EPOCH + datetime.timedelta(days=day)).strftime("%Y%m%d")
-    low, high = (day * C.DAY_NS, (day + 1) * C.DAY_NS) if parent == TABLE else (day * 24, (day + 1) * 24)
-    return f"{parent}_{stamp}", low, high
+    """(name, from, to) of a parent's partition for one day."""
+    return f"{parent}_{(EPOCH + datetime.timedelta(days=day)).strftime('%Y%m%d')}", day * C.DAY_NS, (day + 1) * C.DAY_NS
 
 
 class Partitions:
@@ -91,10 +90,17 @@ class Partitions:
                 total -= max(0.0, rows)
         for parent in PARENTS:
             out += [name for day, name, _, pending in self._partitions(conn, parent) if day in gone or pending]
+        blocks_kept = (time.time_ns() - int(BLOCKS_KEPT_S * 1e9)) // C.DAY_NS  # (the ten-minute histograms: for a window's first hour)
+        out += [name for day, name, _, _ in self._partitions(conn, HIST_BLOCK) if day < blocks_kept and name not in out]
         return out
 
+    def oldest(self, conn: psycopg.Connection[Any]) -> int:
+        """Where the oldest day of records begins (ns): anything counted before it is gone."""
+        days = self._partitions(conn, TABLE)
+        return days[0][0] * C.DAY_NS if days else 0
+
     def drop(self, conn: psycopg.Connection[Any], name: str) -> None:
-        parent = next(p for p in PARENTS if name.startswith(p + "_"))
+        parent = name.rsplit("_", 1)[0]  # (its name: the parent's, _YYYYMMDD)
         pending = conn.execute("SELECT inhdetachpending FROM pg_inherits WHERE inhrelid = %s::regclass", (name,)).fetchone()
         if pending is not None:
             conn.execute(f"ALTER TABLE {parent} DETACH PARTITION {name} {'FINALIZE' if pending[0] else 'CONCURRENTLY'}")

@@ -8,7 +8,7 @@ replica writes to one store; every reader (`explain --db postgresql://…`, `/ll
   `llmproxy_rollup` and `llmproxy_hist` (aggregate.py), which `explain`, the SLO summaries and `/ui`'s
   summaries read instead of the records.
 - Writes: one transaction per batch: COPY into a temporary staging table, then one statement that
-  inserts the records (`ON CONFLICT (key, ended_ns) DO NOTHING`: a batch sent again after a lost
+  inserts the records (`ON CONFLICT (ended_ns, key) DO NOTHING`: a batch sent again after a lost
   commit reply is stored once) and adds exactly the inserted ones to the aggregates. `data` is `json`
   (kept as text: jsonb parses every record on the server, 3× slower to insert).
 - Partitions: created `DAYS_AHEAD` days ahead (and for any older day a batch brings, as an import
@@ -28,6 +28,7 @@ replica writes to one store; every reader (`explain --db postgresql://…`, `/ll
 """
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from typing import Any, Iterator
@@ -36,51 +37,61 @@ import orjson
 import psycopg
 
 from . import Filters, Rejected, Row, Unavailable
+from . import codec
 from . import columns as C
 from . import sql as A
-from .partitions import HIST, ROLLUP, TABLE, Partitions
+from .partitions import ROLLUP, TABLE, Partitions
 
 STORE_VERSION = 2
 LEGACY = "llmproxy_requests"  # schema 1's table
-MIGRATE_LOCK, RETAIN_LOCK, COMPACT_LOCK = 0x6C6D7001, 0x6C6D7002, 0x6C6D7004  # advisory locks ("lm" p n; 3: partitions.py)
+MIGRATE_LOCK, RETAIN_LOCK = 0x6C6D7001, 0x6C6D7002  # advisory locks ("lm" p n; 3: partitions.py)
+COMPACT_LOCK = 0x6C6D7004  # one per block or hour: (this, its start / its span, + 2^30 for an hour)
 RETAIN_EVERY_S = 5.0
 MOVE_CHUNK = 5000
 BUDGET_S = 2.0  # what one retention pass may spend compacting hours and moving schema 1's records in
 NAMES = (*C.COLUMNS, "data")
-TYPES: dict[str, str] = {**{c: "float8" for c in C.REALS}, **{c: "integer" for c in C.INTEGERS}, **{c: "text" for c in (*C.TEXTS, *C.DIMENSIONS, "rid")},
+TYPES: dict[str, str] = {**{c: "float8" for c in C.REALS}, **{c: "integer" for c in C.INTEGERS}, **{c: "text" for c in (*C.DIMENSIONS, "rid")},
          **{c: "bigint" for c in ("key", "ended_ns", "received_ns", "series")}}
-COPY_TYPES = [TYPES.get(name, "text") for name in NAMES]
+COPY_TYPES = [TYPES.get(name, "bytea") for name in NAMES]
 SCHEMA = (
     "CREATE TABLE IF NOT EXISTS llmproxy_meta (key text PRIMARY KEY, value text NOT NULL)",
     # The records: the typed columns (columns.py: rid, key, the end time that is the partition key, the
     # dimensions, the figures' values, the fits' points, the blamed phases) and the record as JSON text
     # (never parsed by the server: cast data::json to query into it).
-    f"CREATE TABLE IF NOT EXISTS {TABLE} ({', '.join(f'{c} {TYPES[c]}' for c in C.COLUMNS)}, data text NOT NULL) PARTITION BY RANGE (ended_ns)",
-    f"CREATE UNIQUE INDEX IF NOT EXISTS {TABLE}_key ON {TABLE} (model, upstream, key, ended_ns) INCLUDE (px, py, dx, dy)",  # once; the samples
-    # The newest first (and a batch's time range, for the keys it may hold already); the rare rows the
-    # list filters on (a model's are found by the first index; an instance's or a common value's by the
-    # newest first).
-    f"CREATE INDEX IF NOT EXISTS {TABLE}_ended ON {TABLE} (ended_ns) INCLUDE (key)",
+    f"CREATE TABLE IF NOT EXISTS {TABLE} ({', '.join(f'{c} {TYPES[c]}' for c in C.COLUMNS)}, data bytea NOT NULL) PARTITION BY RANGE (ended_ns)",
+    # Each index grows at its end (by time) but the sample's: random inserts into a large index miss the cache, so that one
+    # holds a sixteenth of the records (a busy model's sample; a quiet one's is found by time).
+    f"CREATE UNIQUE INDEX IF NOT EXISTS {TABLE}_key ON {TABLE} (ended_ns, key)",  # once; the newest first; a batch's range
+    f"CREATE INDEX IF NOT EXISTS {TABLE}_model ON {TABLE} (model, upstream, ended_ns) INCLUDE (key, px, py, dx, dy)",
+    f"CREATE INDEX IF NOT EXISTS {TABLE}_sample ON {TABLE} (model, upstream, key) INCLUDE (ended_ns, px, py, dx, dy) WHERE key < {A.SAMPLED}",
+    # The rare rows the list filters on (an instance's, or a common value's, are found newest first).
     f"CREATE INDEX IF NOT EXISTS {TABLE}_failed ON {TABLE} (outcome, ended_ns) WHERE outcome <> 'ok'",
     f"CREATE INDEX IF NOT EXISTS {TABLE}_miss ON {TABLE} (ended_ns) WHERE verdict = 'miss'",
     f"CREATE INDEX IF NOT EXISTS {TABLE}_ttft ON {TABLE} (ttft_s)",
-    f"""CREATE TABLE IF NOT EXISTS {ROLLUP} (hour bigint NOT NULL, series bigint NOT NULL,
+    # The aggregates (sql.py), each keyed by the start of its block or hour (ns), partitioned by day.
+    f"""CREATE TABLE IF NOT EXISTS {ROLLUP} (start bigint NOT NULL, series bigint NOT NULL,
         {', '.join(f'{name} text NOT NULL' for name in C.DIMENSIONS)},
         {', '.join(f"{name} {'float8' if name.endswith(A.FLOATS) else 'bigint'}" for name, _, _ in A.SUMS)},
-        PRIMARY KEY (hour, series)) PARTITION BY RANGE (hour)""",
-    f"""CREATE TABLE IF NOT EXISTS {HIST} (hour bigint NOT NULL, {', '.join(f'{d} text NOT NULL' for d in A.HIST_DIMS)},
-        code integer NOT NULL, bucket integer NOT NULL, n bigint NOT NULL) PARTITION BY RANGE (hour)""",
-    f"CREATE INDEX IF NOT EXISTS {HIST}_hour ON {HIST} (hour)",
-    "CREATE TABLE IF NOT EXISTS llmproxy_compacted (hour bigint PRIMARY KEY, at_ns bigint NOT NULL)",
-    "CREATE TABLE IF NOT EXISTS llmproxy_dirty (hour bigint PRIMARY KEY)",
+        PRIMARY KEY (start, series)) PARTITION BY RANGE (start)""",
+    *(statement for table in A.HISTS.values() for statement in (
+        f"""CREATE TABLE IF NOT EXISTS {table} (start bigint NOT NULL, {', '.join(f'{d} text NOT NULL' for d in A.HIST_DIMS)},
+            code integer NOT NULL, bucket integer NOT NULL, n bigint NOT NULL) PARTITION BY RANGE (start)""",
+        f"CREATE INDEX IF NOT EXISTS {table}_start ON {table} (start)")),
+    "CREATE TABLE IF NOT EXISTS llmproxy_compacted (span bigint NOT NULL, start bigint NOT NULL, at_ns bigint NOT NULL, PRIMARY KEY (span, start))",
+    "CREATE TABLE IF NOT EXISTS llmproxy_dirty (span bigint NOT NULL, start bigint NOT NULL, PRIMARY KEY (span, start))",
 )
 MIGRATIONS: dict[int, tuple[str, ...]] = {}  # store version N -> the statements that make it N + 1 (none yet)
 # A batch's rows: the keys in its time range (one index range; keys are hashes of unique ids).
 BATCH_ROWS = "ended_ns >= ? AND ended_ns <= ?"
 HELD = A.POSTGRES.sql(f"SELECT key, ended_ns FROM {TABLE} WHERE {BATCH_ROWS}")
 ADD = A.POSTGRES.sql(A.rollup(A.POSTGRES, f"(SELECT * FROM {TABLE} WHERE {BATCH_ROWS} AND key = ANY(?::bigint[]))"))
-COMPACT = A.compact(A.POSTGRES)
 KEY, ENDED = C.COLUMNS.index("key"), C.COLUMNS.index("ended_ns")
+WORK_MEM = "SET LOCAL work_mem = '64MB'"  # the histograms' hash tables in memory (the server's 4 MB default spills them: 2x slower)
+
+
+def _lock_key(span: int, start: int) -> int:
+    """A block's or an hour's advisory lock (its index: 3 million blocks since the epoch, an int4)."""
+    return start // span + (1 << 30 if span == C.HOUR_NS else 0)
 
 
 def redact(url: str) -> str:
@@ -89,8 +100,11 @@ def redact(url: str) -> str:
 
 
 def connect(url: str, password_file: str = "", **options: Any) -> psycopg.Connection[Any]:
-    """A connection (autocommit: transactions are explicit); the password file, when given, wins."""
-    kwargs: dict[str, Any] = {"autocommit": True, "connect_timeout": 5, "application_name": "llm-latency-proxy", **options}
+    """A connection (autocommit: transactions are explicit); the password file, when given, wins. No
+    statement is prepared: a prepared one gets a generic plan after five runs, which prunes no
+    partition and plans a batch's time range as if it were any (the rollup's statement ran 5x slower)."""
+    kwargs: dict[str, Any] = {"autocommit": True, "connect_timeout": 5, "application_name": "llm-latency-proxy", "prepare_threshold": None,
+                              **options}
     if password_file:
         with open(password_file, encoding="utf-8") as handle:
             kwargs["password"] = handle.read().strip()
@@ -157,7 +171,7 @@ class PostgresBackend:
         conn = self.conn
         assert conn is not None
         try:
-            values = [(*C.values(r.rid, record), r.data.decode()) for r in rows for record in (r.parsed(),)]
+            values = [(*C.values(r.rid, record), codec.pack(r.data)) for r in rows for record in (r.parsed(),)]
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise Rejected(f"not a record: {exc}") from None
         try:
@@ -176,11 +190,10 @@ class PostgresBackend:
     @staticmethod
     def _insert(conn: psycopg.Connection[Any], values: list[tuple[Any, ...]]) -> int:
         """Inside a transaction: the rows the store does not hold yet, COPYed in, and added to the
-        rollup; the hours a compaction may have read marked dirty. How many were new."""
-        late = A.late_hours((v[2] for v in values), time.time_ns())
-        if late:  # (a compaction of these hours waits for this transaction, or this one for it)
-            conn.execute("SELECT pg_advisory_xact_lock_shared(%s)", (COMPACT_LOCK,))
+        rollup; the blocks and hours a compaction may have read marked dirty. How many were new."""
         ended = [v[ENDED] for v in values]
+        keys = [_lock_key(span, start) for span, start in A.units(ended)]  # (a compaction of them waits for this batch, or it for one)
+        conn.execute("SELECT pg_advisory_xact_lock_shared(%s, k) FROM unnest(%s::int[]) AS k", (COMPACT_LOCK, keys))
         span = (min(ended), max(ended))
         held = set(conn.execute(HELD, span).fetchall())
         new = [v for v in values if (v[KEY], v[ENDED]) not in held] if held else values
@@ -191,8 +204,9 @@ class PostgresBackend:
             for value in new:
                 copy.write_row(value)
         conn.execute(ADD, (*span, "{" + ",".join(str(v[KEY]) for v in new) + "}"))  # (an array literal: 50x cheaper to send than a list)
+        late = A.dirty((v[ENDED] for v in new), time.time_ns())
         if late:
-            conn.execute("INSERT INTO llmproxy_dirty (hour) SELECT unnest(%s::bigint[]) ON CONFLICT DO NOTHING", (late,))
+            conn.cursor().executemany("INSERT INTO llmproxy_dirty (span, start) VALUES (%s, %s) ON CONFLICT DO NOTHING", late)
         return len(new)
 
     def retain(self) -> None:
@@ -208,10 +222,8 @@ class PostgresBackend:
                 self.partitions.ahead(conn)
                 for name in self.partitions.expired(conn, self.max_age_s, self.max_rows):
                     self.partitions.drop(conn, name)
-                if self.max_age_s > 0:
-                    cutoff_hour = (time.time_ns() - int(self.max_age_s * 1e9)) // C.HOUR_NS
-                    conn.execute("DELETE FROM llmproxy_compacted WHERE hour < %s", (cutoff_hour,))
-                    conn.execute("DELETE FROM llmproxy_dirty WHERE hour < %s", (cutoff_hour,))
+                for table in ("llmproxy_compacted", "llmproxy_dirty"):  # (what the dropped days' aggregates were)
+                    conn.execute(f"DELETE FROM {table} WHERE start < %s", (self.partitions.oldest(conn),))
                 began = time.monotonic()
                 while time.monotonic() - began < BUDGET_S and (self._compact_one(conn) or self._move(conn)):
                     pass
@@ -221,33 +233,25 @@ class PostgresBackend:
             self.close()
             raise Unavailable(_scrubbed(exc, self.url)) from None
 
-    def compact(self, before_hour: int | None = None) -> int:
-        """Every hour due (and before `before_hour`), now: how many were compacted (an import's)."""
+    def compact(self, before_ns: int = A.INF_NS) -> int:
+        """Every block and hour due (ending before `before_ns`), now: how many (an import's)."""
         conn = self.conn
         assert conn is not None
         done = 0
-        while self._compact_one(conn, before_hour):
+        while self._compact_one(conn, before_ns):
             done += 1
         return done
 
     @staticmethod
-    def _compact_one(conn: psycopg.Connection[Any], before_hour: int | None = None) -> bool:
-        """The oldest hour that has ended, has records, and is not compacted or is dirty: its histograms
-        computed again from its records, in one transaction. False when none is due."""
-        due = conn.execute(f"SELECT DISTINCT hour FROM {ROLLUP} WHERE hour < %s AND (hour IN (SELECT hour FROM llmproxy_dirty) "
-                           "OR hour NOT IN (SELECT hour FROM llmproxy_compacted)) ORDER BY hour LIMIT 1",
-                           (min(A.compactable(time.time_ns()), before_hour if before_hour is not None else 1 << 62),)).fetchone()
-        if due is None:
-            return False
-        hour = int(due[0])
-        with conn.transaction():
-            conn.execute("SELECT pg_advisory_xact_lock(%s)", (COMPACT_LOCK,))  # (writers of late records hold its shared side)
-            conn.execute("DELETE FROM llmproxy_dirty WHERE hour = %s", (hour,))
-            conn.execute(f"DELETE FROM {HIST} WHERE hour = %s", (hour,))
-            conn.execute(COMPACT, (hour, hour * C.HOUR_NS, (hour + 1) * C.HOUR_NS))
-            conn.execute("INSERT INTO llmproxy_compacted (hour, at_ns) VALUES (%s, %s) ON CONFLICT (hour) DO UPDATE SET at_ns = EXCLUDED.at_ns",
-                         (hour, time.time_ns()))
-        return True
+    def _compact_one(conn: psycopg.Connection[Any], before_ns: int = A.INF_NS) -> bool:
+        @contextlib.contextmanager
+        def transaction(span: int, start: int) -> Iterator[None]:
+            with conn.transaction():
+                conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", (COMPACT_LOCK, _lock_key(span, start)))  # (its writers hold the shared side)
+                conn.execute(WORK_MEM)
+                yield
+
+        return A.compact_next(conn, A.POSTGRES, transaction, time.time_ns(), before_ns)
 
     def _move(self, conn: psycopg.Connection[Any]) -> bool:
         """One chunk of schema 1's records into this schema, and out of its table, in one transaction."""
@@ -261,7 +265,7 @@ class PostgresBackend:
             for _, rid, data in rows:
                 record = orjson.loads(data)
                 record["id"] = rid
-                values.append((*C.values(rid, record), orjson.dumps(record).decode()))
+                values.append((*C.values(rid, record), codec.pack(orjson.dumps(record))))
             self.partitions.ensure(conn, {value[ENDED] // C.DAY_NS for value in values})
             self._insert(conn, values)
             conn.execute(f"DELETE FROM {LEGACY} WHERE id = ANY(%s)", ([row[0] for row in rows],))
@@ -286,8 +290,8 @@ class PostgresBackend:
     def recent(self, limit: int, filters: Filters) -> list[bytes]:
         """The fleet's newest `limit` records, oldest first (every replica's; `instance` selects one)."""
         where, args = _where(filters)
-        rows = self._read(f"SELECT data::text FROM {TABLE}{where} ORDER BY ended_ns DESC LIMIT %s", (*args, max(0, limit)))
-        return [row[0].encode() for row in reversed(rows)]
+        rows = self._read(f"SELECT data FROM {TABLE}{where} ORDER BY ended_ns DESC LIMIT %s", (*args, max(0, limit)))
+        return [codec.unpack(row[0]) for row in reversed(rows)]
 
     def aggregate(self, by: tuple[str, ...], window: A.Window, cells: bool = True) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
         with connect(self.url, self.password_file) as conn:
@@ -298,18 +302,20 @@ class PostgresBackend:
                 return conn.execute(sums, sargs).fetchall(), []
             with conn.transaction():  # (one snapshot for the plan and both reads)
                 conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+                conn.execute(WORK_MEM)
                 return self._read_window(conn, by, window)
 
     @staticmethod
     def _read_window(conn: psycopg.Connection[Any], by: tuple[str, ...], window: A.Window) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
-        clean = conn.execute("SELECT hour FROM llmproxy_compacted WHERE hour >= %s AND hour NOT IN (SELECT hour FROM llmproxy_dirty)",
-                             (window.first_hour,)).fetchall()
-        (sums, sargs), (text, cargs) = A.queries(A.POSTGRES, by, window, *window.split(h for (h,) in clean))
+        clean = conn.execute(A.POSTGRES.sql(A.CLEAN), (window.first_block,)).fetchall()
+        (sums, sargs), (text, cargs) = A.queries(A.POSTGRES, by, window, A.plan(window, clean))
         return conn.execute(sums, sargs).fetchall(), conn.execute(text, cargs).fetchall()
 
-    def sample(self, fit: str, model: str, upstream: str, window: A.Window) -> list[tuple[int, float, float]]:
-        sql, args = A.sample(A.POSTGRES, fit, window)
-        return self._read(sql, [model, upstream, *args])
+    def samples(self, wanted: list[tuple[str, str, str]], window: A.Window) -> list[list[tuple[int, float, float]]]:
+        with connect(self.url, self.password_file) as conn:
+            if conn.execute("SELECT to_regclass(%s)", (TABLE,)).fetchone()[0] is None:  # type: ignore[index]
+                return [[] for _ in wanted]
+            return [A.sampled(conn, A.POSTGRES, fit, model, upstream, window) for fit, model, upstream in wanted]
 
     def export(self, start_ns: int) -> Iterator[bytes]:
         with connect(self.url, self.password_file) as conn:
@@ -317,9 +323,9 @@ class PostgresBackend:
                 return
             with conn.transaction(), conn.cursor(name="llmproxy_export") as cursor:
                 cursor.itersize = 5000
-                cursor.execute(f"SELECT data::text FROM {TABLE} WHERE ended_ns >= %s ORDER BY ended_ns", (start_ns,))
+                cursor.execute(f"SELECT data FROM {TABLE} WHERE ended_ns >= %s ORDER BY ended_ns", (start_ns,))
                 for (data,) in cursor:
-                    yield data.encode()
+                    yield codec.unpack(data)
 
     def pending(self) -> int:
         with connect(self.url, self.password_file) as conn:

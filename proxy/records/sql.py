@@ -2,37 +2,45 @@
 thousands of rows, not millions (what `explain`, the SLO summaries and `/ui` read; aggregate.py
 holds what Python makes of the counts).
 
-Two tables beside the records, both by hour (a record counts in the hour it ended):
-- `llmproxy_rollup`, written with each batch in its transaction: per hour and *series* (instance,
+Beside the records, by the ten-minute block a record ended in (`BLOCK_NS`):
+- `llmproxy_rollup`, written with each batch in its transaction: per block and *series* (instance,
   model, upstream, API, endpoint, outcome, objective, verdict), counts, sums, the window's ends, the
   two fits' sums and cross-sums (`SUMS`), and TTFT and end to end in the Prometheus histograms'
-  buckets (the live summary's). Exact and current: a window reads its whole hours here.
-- `llmproxy_hist`, compacted: per hour, model, upstream and objective, how many records had each
-  figure in each bucket (columns.py). A histogram at 1% resolution has hundreds of buckets per
-  figure, more than an hour of one model holds records in a batch, so counting it with each batch
-  would write more rows than records; instead, once an hour has ended (`SETTLE_S` later), one pass
-  over its records computes it (`compact`), and again if records reach it afterwards (a store that
-  was down, an import), which mark it dirty.
+  buckets (the live summary's). Exact and current: a window reads its whole blocks here.
+- `llmproxy_hist_block` and `llmproxy_hist`, compacted: per ten-minute block (kept `BLOCKS_KEPT_S`)
+  and per hour (kept as long as the records), model, upstream and objective, how many records had
+  each figure in each bucket (columns.py). A histogram at 1% resolution has hundreds of buckets per
+  figure, more than a batch brings records of one model, so counting it with each batch would
+  write more rows than records; instead, `SETTLE_S` after a block ends, one pass over its records
+  computes it (`compact_block`), and an hour is the sum of its six blocks (`compact_hour`; from
+  its records when its blocks are gone). Records that reach a block or an hour that may be
+  compacted already (a store that was down, an import, a clock behind) mark it dirty, and it is
+  computed again; writers hold the compaction lock's shared side, a compaction its other side.
 
-A window's counts and sums: its whole hours from the rollup, its first partial hour from the records.
-Its histograms: compacted hours from `llmproxy_hist`, every other part of it (the first partial hour,
-the hours not compacted yet or dirty) from the records, by the same SQL (`cells`). A `Dialect` holds
-the two stores' few differences. What crosses to Python: one row per group and series kind, one per
-group, figure and bucket, and each fit's sample (`SAMPLE` points, the lowest keys: a uniform sample).
+A window's counts and sums: its whole blocks from the rollup, its first partial block from the
+records. Its histograms: the compacted hours and blocks it covers whole, and the rest (its first
+partial block, what was not compacted yet: the last ten minutes or so) from the records, by the
+same SQL (`cells`). A `Dialect` holds the two stores' few differences. What crosses to Python: one
+row per group and series kind, one per group, figure and bucket, and each fit's sample (`SAMPLE`
+points, the lowest keys: a uniform sample).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, ContextManager, Iterable
 
 from . import columns as C
 
 SAMPLE = 2000  # points per fit read from the store; its Theil-Sen slope uses the first PAIRS of them
 PAIRS = 300
-SETTLE_S = 120.0  # an hour is compacted this long after it ended (later records mark it dirty)
-LATE_S = 300.0  # a record whose hour ends before this long from now marks it dirty (clocks may disagree by SETTLE_S less)
-KINDS = ("api", "endpoint", "outcome", "slo", "verdict")  # what a group's sums are kept apart by (its populations)
-HIST_DIMS = ("model", "upstream", "slo")  # what the compacted histograms are kept by
+BLOCK_NS = 600 * 1_000_000_000  # the aggregates' time block: ten minutes
+BLOCKS_KEPT_S = 2 * 86400.0  # the ten-minute histograms are kept this long (a window's first partial hour within it reads them)
+SETTLE_S = 60.0  # a block (an hour) is compacted this long after it ended
+SKEW_S = 30.0  # what the replicas' clocks and the compactor's may disagree by
+LATE_S = SETTLE_S - SKEW_S  # a record whose block (hour) ended this long ago marks it dirty: it may be compacted already
+INF_NS = 1 << 62
+KINDS = ("api", "endpoint", "outcome", "slo", "verdict", "blame")  # what a group's sums are kept apart by (its populations)
+HIST_DIMS = ("model", "upstream")  # what the compacted histograms are kept by
 _FIT = (("n", "count({x})"), ("x", "coalesce(sum({x}), 0)"), ("y", "coalesce(sum({y}), 0)"), ("xx", "coalesce(sum({x} * {x}), 0)"),
         ("xy", "coalesce(sum({x} * {y}), 0)"), ("yy", "coalesce(sum({y} * {y}), 0)"))
 # (column, SQL over records, how two partial values merge)
@@ -78,118 +86,212 @@ def rollup(dialect: Dialect, source: str) -> str:
     """The statement that adds the records of `source` (aliased `r`) to the rollup. (SQLite needs a
     WHERE before an upsert's ON CONFLICT; the ORDER BY takes the rows' locks in one order.)"""
     dims = ", ".join(C.DIMENSIONS)
-    return (f"INSERT INTO llmproxy_rollup (hour, series, {dims}, {', '.join(name for name, _, _ in SUMS)}) "
-            f"SELECT r.ended_ns / {C.HOUR_NS}, r.series, {dims}, {', '.join(expr for _, expr, _ in SUMS)} FROM {source} r WHERE true "
-            f"GROUP BY r.ended_ns / {C.HOUR_NS}, r.series, {dims} ORDER BY 1, 2 ON CONFLICT (hour, series) DO UPDATE SET "
+    block = f"r.ended_ns / {BLOCK_NS} * {BLOCK_NS}"  # (the start of its block: integer division in both stores)
+    return (f"INSERT INTO llmproxy_rollup (start, series, {dims}, {', '.join(name for name, _, _ in SUMS)}) "
+            f"SELECT {block}, r.series, {dims}, {', '.join(expr for _, expr, _ in SUMS)} FROM {source} r WHERE true "
+            f"GROUP BY {block}, r.series, {dims} ORDER BY 1, 2 ON CONFLICT (start, series) DO UPDATE SET "
             + ", ".join(f"{name} = {_merge(kind, name, dialect)}" for name, _, kind in SUMS))
 
 
 def cells(dialect: Dialect, keys: Iterable[str], where: str) -> str:
     """Every figure's (keys..., code, bucket, n) over the records `where` selects (an SQL condition)."""
-    names = ", ".join(keys)
+    names = "".join(f"{key}, " for key in keys)
     value = [f.value if f.code in C.EXACT else C.bucket_sql(f.value) for f in C.FIGURES]
     if dialect.grouping_sets:  # one pass: a column per figure, NULL outside its population; a grouping set each
         columns = ", ".join(f"CASE WHEN {f.where} THEN {v} END AS b{i}" for i, (f, v) in enumerate(zip(C.FIGURES, value)))
         which = "CASE " + " ".join(f"WHEN GROUPING(b{i}) = 0 THEN {f.code}" for i, f in enumerate(C.FIGURES)) + " END"
         bucket = f"coalesce({', '.join(f'b{i}' for i in range(len(C.FIGURES)))})"
-        sets = ", ".join(f"({names}, b{i})" for i in range(len(C.FIGURES)))
-        return (f"SELECT {names}, {which} AS code, {bucket} AS bucket, count(*) AS n FROM (SELECT {names}, {columns} FROM llmproxy_records "
+        sets = ", ".join(f"({names}b{i})" for i in range(len(C.FIGURES)))
+        return (f"SELECT {names}{which} AS code, {bucket} AS bucket, count(*) AS n FROM (SELECT {names}{columns} FROM llmproxy_records "
                 f"WHERE {where}) s GROUP BY GROUPING SETS ({sets}) HAVING {bucket} IS NOT NULL")
     return (f"SELECT * FROM (WITH r AS MATERIALIZED (SELECT {READ} FROM llmproxy_records WHERE {where}) " + " UNION ALL ".join(
-        f"SELECT {names}, {f.code} AS code, {v} AS bucket, count(*) AS n FROM r WHERE {f.where} GROUP BY {names}, bucket"
+        f"SELECT {names}{f.code} AS code, {v} AS bucket, count(*) AS n FROM r WHERE {f.where} GROUP BY {names}bucket"
         for f, v in zip(C.FIGURES, value)) + ") u")
 
 
 READ = ", ".join(sorted({*C.COLUMNS} - {"rid"}))  # what the cells read of a record (its JSON never)
 
 
-def compact(dialect: Dialect) -> str:
-    """The statement that computes one hour's histograms from its records (hour, from_ns, to_ns)."""
+HISTS = {BLOCK_NS: "llmproxy_hist_block", C.HOUR_NS: "llmproxy_hist"}  # the histograms of each span
+
+
+def compact_block(dialect: Dialect) -> str:
+    """The statement that computes one block's histograms from its records (start, start, end)."""
     dims = ", ".join(HIST_DIMS)
-    return dialect.sql(f"INSERT INTO llmproxy_hist (hour, {dims}, code, bucket, n) SELECT ?, {dims}, code, bucket, n FROM "
+    return dialect.sql(f"INSERT INTO llmproxy_hist_block (start, {dims}, code, bucket, n) SELECT ?, {dims}, code, bucket, n FROM "
                        f"({cells(dialect, HIST_DIMS, 'ended_ns >= ? AND ended_ns < ?')}) t")
+
+
+def compact_hour(dialect: Dialect, from_blocks: bool) -> str:
+    """One hour's histograms (start, start, end): the sum of its blocks', or from its records."""
+    if not from_blocks:
+        return compact_block(dialect).replace("llmproxy_hist_block", "llmproxy_hist")
+    dims = ", ".join(HIST_DIMS)
+    return dialect.sql(f"INSERT INTO llmproxy_hist (start, {dims}, code, bucket, n) SELECT ?, {dims}, code, bucket, sum(n) "
+                       f"FROM llmproxy_hist_block WHERE start >= ? AND start < ? GROUP BY {dims}, code, bucket")
+
+
+# What a compaction pass takes next (span, start; parameters: the oldest block still kept, now less
+# SETTLE_S): a block or an hour that has records, ended SETTLE_S ago, and is not compacted or is dirty;
+# the blocks first (an hour is the sum of its blocks), each oldest first.
+DUE = (f"SELECT span, start FROM (SELECT DISTINCT {BLOCK_NS} AS span, start FROM llmproxy_rollup WHERE start >= ? "
+       f"UNION SELECT DISTINCT {C.HOUR_NS}, start / {C.HOUR_NS} * {C.HOUR_NS} FROM llmproxy_rollup) u WHERE start + span <= ? "
+       "AND ((span, start) IN (SELECT span, start FROM llmproxy_dirty) OR (span, start) NOT IN (SELECT span, start FROM llmproxy_compacted)) "
+       "ORDER BY span, start LIMIT 1")
 
 
 @dataclass(frozen=True)
 class Window:
     """Records that ended at or after `start_ns` (0: all), selected by `filters` (dimension = value).
-    `whole_hours`: from the start of the hour `start_ns` falls in, read from the rollup alone (a live
+    `whole_blocks`: from the start of the block `start_ns` falls in, read from the rollup alone (a live
     page's summary: no record read, whatever the volume)."""
 
     start_ns: int = 0
     filters: tuple[tuple[str, str], ...] = ()
-    whole_hours: bool = False
+    whole_blocks: bool = False
 
     @property
-    def first_hour(self) -> int:
-        """The first hour read whole from the aggregates; before it, the records themselves."""
-        if self.whole_hours:
-            return self.start_ns // C.HOUR_NS
-        return -(-self.start_ns // C.HOUR_NS) if self.start_ns > 0 else 0
+    def first_block(self) -> int:
+        """The first block read whole from the aggregates (ns); before it, the records themselves."""
+        if self.whole_blocks:
+            return self.start_ns - self.start_ns % BLOCK_NS
+        return -(-self.start_ns // BLOCK_NS) * BLOCK_NS if self.start_ns > 0 else 0
 
     def where(self, alias: str = "") -> tuple[str, list[Any]]:
         prefix = f"{alias}." if alias else ""
         return "".join(f" AND {prefix}{name} = ?" for name, _ in self.filters), [value for _, value in self.filters]
 
-    def split(self, compacted: Iterable[int]) -> tuple[list[int], list[tuple[int, int]]]:
-        """(the hours read from the histograms, the ns ranges read from the records) given the hours
-        compacted and clean: the first partial hour, and every later hour not in `compacted`."""
-        done = sorted(h for h in set(compacted) if h >= self.first_hour)
-        ranges, at = [], self.start_ns
-        for hour in done:
-            if hour * C.HOUR_NS > at:
-                ranges.append((at, hour * C.HOUR_NS))
-            at = (hour + 1) * C.HOUR_NS
-        ranges.append((at, 1 << 62))
-        return done, ranges
+    def plan(self, hours: Iterable[int], blocks: Iterable[int]) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+        """(the hours and the blocks read from the histograms, the ns ranges read from the records),
+        given the hours and blocks compacted and clean: every whole hour it can, then every whole
+        block, and the records for the rest."""
+        hours, blocks = {h for h in hours if h >= self.first_block}, {b for b in blocks if b >= self.first_block}
+        use_hours: list[int] = []
+        use_blocks: list[int] = []
+        ranges: list[tuple[int, int]] = []
+        raw_from = self.start_ns
+        at = max(self.first_block, min(hours | blocks, default=INF_NS))
+        end = max([h + C.HOUR_NS for h in hours] + [b + BLOCK_NS for b in blocks], default=0)
+        while at < end:
+            if at % C.HOUR_NS == 0 and at in hours:
+                use_hours.append(at)
+                step = C.HOUR_NS
+            elif at in blocks:
+                use_blocks.append(at)
+                step = BLOCK_NS
+            else:
+                at += BLOCK_NS
+                continue
+            if raw_from < at:
+                ranges.append((raw_from, at))
+            at += step
+            raw_from = at
+        ranges.append((raw_from, INF_NS))
+        return use_hours, use_blocks, ranges
 
 
-def queries(dialect: Dialect, by: tuple[str, ...], window: Window, hours: list[int] | None = None,
-            ranges: list[tuple[int, int]] | None = None) -> list[tuple[str, list[Any]]]:
-    """(sums SQL, args) for the groups `by` (dimensions) of a window, and with `hours` and `ranges`
-    (`Window.split`) its (cells SQL, args): `by` and the filters among HIST_DIMS then."""
-    hour = window.first_hour
+def queries(dialect: Dialect, by: tuple[str, ...], window: Window, plan: tuple[list[int], list[int], list[tuple[int, int]]] | None = None,
+            ) -> list[tuple[str, list[Any]]]:
+    """(sums SQL, args) for the groups `by` (dimensions) of a window, and with its `plan`
+    (`Window.plan`) its (cells SQL, args): `by` and the filters among HIST_DIMS then."""
+    first = window.first_block
     keys = ", ".join((*by, *(k for k in KINDS if k not in by)))
     filt, fargs = window.where()
     outer = ", ".join(f"{kind}({name})" for name, _, kind in SUMS)
-    parts = [f"SELECT {keys}, {', '.join(name for name, _, _ in SUMS)} FROM llmproxy_rollup WHERE hour >= ?{filt}"]
-    args: list[Any] = [hour, *fargs]
-    if window.start_ns > 0 and not window.whole_hours:
+    parts = [f"SELECT {keys}, {', '.join(name for name, _, _ in SUMS)} FROM llmproxy_rollup WHERE start >= ?{filt}"]
+    args: list[Any] = [first, *fargs]
+    if window.start_ns > 0 and not window.whole_blocks:
         parts.append(f"SELECT {keys}, {', '.join(expr for _, expr, _ in SUMS)} FROM llmproxy_records "
                      f"WHERE ended_ns >= ? AND ended_ns < ?{filt} GROUP BY {keys}")
-        args += [window.start_ns, hour * C.HOUR_NS, *fargs]
+        args += [window.start_ns, first, *fargs]
     out = [(dialect.sql(f"SELECT {keys}, {outer} FROM ({' UNION ALL '.join(parts)}) t GROUP BY {keys}"), args)]
-    if hours is None or ranges is None:
+    if plan is None:
         return out
     if not set(by) <= set(HIST_DIMS) or not {name for name, _ in window.filters} <= set(HIST_DIMS):
         raise ValueError(f"histograms are kept by {', '.join(HIST_DIMS)} only")
-    cell_keys = (*by, *(["slo"] if "slo" not in by else []))
-    names = ", ".join(cell_keys)
+    hours, blocks, ranges = plan
+    names = "".join(f"{key}, " for key in by)
     within = " OR ".join("(ended_ns >= ? AND ended_ns < ?)" for _ in ranges)
-    text = f"SELECT {names}, code, bucket, sum(n) FROM ({cells(dialect, cell_keys, f'({within}){filt}')}"
+    text = f"SELECT {names}code, bucket, sum(n) FROM ({cells(dialect, by, f'({within}){filt}')}"
     cargs: list[Any] = [bound for pair in ranges for bound in pair] + fargs
-    if hours:
-        text += f" UNION ALL SELECT {names}, code, bucket, n FROM llmproxy_hist WHERE hour IN ({', '.join('?' * len(hours))}){filt}"
-        cargs += [*hours, *fargs]
-    out.append((dialect.sql(text + f") t GROUP BY {names}, code, bucket"), cargs))
+    for span, starts in ((C.HOUR_NS, hours), (BLOCK_NS, blocks)):
+        if starts:
+            text += f" UNION ALL SELECT {names}code, bucket, n FROM {HISTS[span]} WHERE start IN ({', '.join('?' * len(starts))}){filt}"
+            cargs += [*starts, *fargs]
+    out.append((dialect.sql(text + f") t GROUP BY {names}code, bucket"), cargs))
     return out
 
 
-def sample(dialect: Dialect, fit: str, window: Window) -> tuple[str, list[Any]]:
-    """The fit's points of one model on one upstream (two more parameters) with the lowest keys."""
+SAMPLED = -(1 << 63) + (1 << 60)  # keys below it: a sixteenth of the records, indexed apart (a busy model's sample)
+
+
+def sample(dialect: Dialect, fit: str) -> tuple[str, str]:
+    """The two queries of a fit's sample (parameters: model, upstream, the window's start): the SAMPLE
+    points with the lowest keys among the sixteenth indexed by key, and, when that sixteenth holds too
+    few (a model with fewer than 16 x SAMPLE points in the window), among all its points, found by
+    time. The lowest keys overall either way: the same sample in every store."""
     x, y = f"{fit[0]}x", f"{fit[0]}y"
-    text = (f"SELECT key, {x}, {y} FROM llmproxy_records WHERE model = ? AND upstream = ? AND {x} IS NOT NULL AND ended_ns >= ? "
-            f"ORDER BY key LIMIT {SAMPLE}")
-    return dialect.sql(text), [window.start_ns]
+    text = f"SELECT key, {x}, {y} FROM llmproxy_records WHERE model = ? AND upstream = ? AND {x} IS NOT NULL AND ended_ns >= ?"
+    return dialect.sql(f"{text} AND key < {SAMPLED} ORDER BY key LIMIT {SAMPLE}"), dialect.sql(f"{text} ORDER BY key LIMIT {SAMPLE}")
 
 
-def compactable(now_ns: int) -> int:
-    """The hours before this one have ended at least SETTLE_S ago: they may be compacted."""
-    return (now_ns - int(SETTLE_S * 1e9)) // C.HOUR_NS
+def units(ended: Iterable[int]) -> list[tuple[int, int]]:
+    """The (span, start) of the blocks and hours these records (end times) count in: what a writer
+    locks the shared side of, and a compaction the other, one unit each (PostgreSQL)."""
+    return sorted({(span, end - end % span) for end in ended for span in (BLOCK_NS, C.HOUR_NS)})
 
 
-def late_hours(ended: Iterable[int], now_ns: int) -> list[int]:
-    """The hours of these records (end times) that a compaction may have read already: writing them
-    marks those hours dirty, under the compaction lock's shared side."""
-    horizon = (now_ns + int(LATE_S * 1e9)) // C.HOUR_NS
-    return sorted({end // C.HOUR_NS for end in ended if end // C.HOUR_NS < horizon})
+def dirty(ended: Iterable[int], now_ns: int) -> list[tuple[int, int]]:
+    """The (span, start) of these records' blocks and hours that a compaction may have read already:
+    writing them marks those dirty (under the compaction lock's shared side)."""
+    horizon = now_ns - int(LATE_S * 1e9)
+    out = set()
+    for end in ended:
+        for span in (BLOCK_NS, C.HOUR_NS):
+            start = end - end % span
+            if start + span <= horizon:
+                out.add((span, start))
+    return sorted(out)
+
+
+def compact_next(conn: Any, dialect: Dialect, transaction: Callable[[int, int], ContextManager[Any]], now_ns: int,
+                 before_ns: int = INF_NS) -> bool:
+    """Compact what is due next (`DUE`, ending before `before_ns`) in one `transaction(span, start)`,
+    on either store's connection; False when nothing is. A block from its records; an hour from its
+    blocks when they are kept and clean, else from its records."""
+    row = conn.execute(dialect.sql(DUE), (now_ns - int(BLOCKS_KEPT_S * 1e9), min(now_ns - int(SETTLE_S * 1e9), before_ns))).fetchone()
+    if row is None:
+        return False
+    span, start = int(row[0]), int(row[1])
+    with transaction(span, start):
+        conn.execute(dialect.sql("DELETE FROM llmproxy_dirty WHERE span = ? AND start = ?"), (span, start))
+        conn.execute(dialect.sql(f"DELETE FROM {HISTS[span]} WHERE start = ?"), (start,))
+        if span == BLOCK_NS:
+            statement = compact_block(dialect)
+        else:
+            missing = conn.execute(dialect.sql(
+                f"SELECT count(*) FROM (SELECT DISTINCT start FROM llmproxy_rollup WHERE start >= ? AND start < ?) b "
+                f"WHERE ({BLOCK_NS}, b.start) NOT IN (SELECT span, start FROM llmproxy_compacted) "
+                f"OR ({BLOCK_NS}, b.start) IN (SELECT span, start FROM llmproxy_dirty)"), (start, start + span)).fetchone()[0]
+            statement = compact_hour(dialect, from_blocks=missing == 0 and start >= now_ns - int(BLOCKS_KEPT_S * 1e9))
+        conn.execute(statement, (start, start, start + span))
+        conn.execute(dialect.sql("INSERT INTO llmproxy_compacted (span, start, at_ns) VALUES (?, ?, ?) "
+                                 "ON CONFLICT (span, start) DO UPDATE SET at_ns = excluded.at_ns"), (span, start, now_ns))
+    return True
+
+
+CLEAN = ("SELECT span, start FROM llmproxy_compacted WHERE start >= ? "
+         "AND (span, start) NOT IN (SELECT span, start FROM llmproxy_dirty)")  # what a window may read from the histograms
+
+
+def plan(window: Window, clean: Iterable[tuple[int, int]]) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+    """The window's plan from the rows CLEAN selected."""
+    rows = list(clean)
+    return window.plan((int(s) for span, s in rows if int(span) == C.HOUR_NS), (int(s) for span, s in rows if int(span) == BLOCK_NS))
+
+
+def sampled(conn: Any, dialect: Dialect, fit: str, model: str, upstream: str, window: Window) -> list[tuple[int, float, float]]:
+    """One fit's sample of one model on one upstream (`sample`), on either store's connection."""
+    busy, every = sample(dialect, fit)
+    rows = conn.execute(busy, (model, upstream, window.start_ns)).fetchall()
+    return rows if len(rows) >= SAMPLE else conn.execute(every, (model, upstream, window.start_ns)).fetchall()

@@ -17,6 +17,7 @@ its records are moved in too (`meta.store_version` is this schema's version).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
 import time
@@ -26,8 +27,9 @@ from typing import Any, Iterator
 import orjson
 
 from . import Filters, Rejected, Row, Unavailable
-from . import sql as A
+from . import codec
 from . import columns as C
+from . import sql as A
 
 STORE_VERSION = 2
 DEFAULT_MAX_ROWS = 1_000_000
@@ -36,29 +38,30 @@ MOVE_CHUNK = 5000
 BUDGET_S = 1.0  # what one retention pass may spend compacting hours and moving schema 1's records in
 NAMES = (*C.COLUMNS, "data")
 TYPES = {**{c: "REAL" for c in C.REALS}, **{c: "INTEGER" for c in (*C.INTEGERS, "key", "ended_ns", "received_ns", "series")},
-         **{c: "TEXT" for c in (*C.TEXTS, *C.DIMENSIONS, "rid")}}
+         **{c: "TEXT" for c in (*C.DIMENSIONS, "rid")}}
 SUM_COLUMNS = ", ".join(f"{name} {'REAL' if name.endswith(A.FLOATS) else 'INTEGER'}" for name, _, _ in A.SUMS)
 SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS llmproxy_records (
     id INTEGER PRIMARY KEY,     -- insertion order: a batch's new rows are those above the last id before it
     {', '.join(f'{c} {TYPES[c]}' for c in C.COLUMNS)},  -- columns.py
-    data BLOB NOT NULL          -- the record as JSON (proxy.telemetry.record_dict, with its id)
+    data BLOB NOT NULL          -- the record's JSON (proxy.telemetry.record_dict, with its id), compressed (codec.py)
 );
-CREATE UNIQUE INDEX IF NOT EXISTS llmproxy_records_key ON llmproxy_records (model, upstream, key, ended_ns);
-CREATE INDEX IF NOT EXISTS llmproxy_records_ended ON llmproxy_records (ended_ns);
-CREATE TABLE IF NOT EXISTS llmproxy_rollup (hour INTEGER NOT NULL, series INTEGER NOT NULL,
-    {', '.join(f'{name} TEXT NOT NULL' for name in C.DIMENSIONS)}, {SUM_COLUMNS}, PRIMARY KEY (hour, series)) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS llmproxy_hist (hour INTEGER NOT NULL, {', '.join(f'{d} TEXT NOT NULL' for d in A.HIST_DIMS)},
+CREATE UNIQUE INDEX IF NOT EXISTS llmproxy_records_key ON llmproxy_records (ended_ns, key);
+CREATE INDEX IF NOT EXISTS llmproxy_records_model ON llmproxy_records (model, upstream, ended_ns, key, px, py, dx, dy);
+CREATE INDEX IF NOT EXISTS llmproxy_records_sample ON llmproxy_records (model, upstream, key, ended_ns, px, py, dx, dy) WHERE key < {A.SAMPLED};
+CREATE TABLE IF NOT EXISTS llmproxy_rollup (start INTEGER NOT NULL, series INTEGER NOT NULL,
+    {', '.join(f'{name} TEXT NOT NULL' for name in C.DIMENSIONS)}, {SUM_COLUMNS}, PRIMARY KEY (start, series)) WITHOUT ROWID;
+""" + "".join(f"""CREATE TABLE IF NOT EXISTS {table} (start INTEGER NOT NULL, {', '.join(f'{d} TEXT NOT NULL' for d in A.HIST_DIMS)},
     code INTEGER NOT NULL, bucket INTEGER NOT NULL, n INTEGER NOT NULL);
-CREATE INDEX IF NOT EXISTS llmproxy_hist_hour ON llmproxy_hist (hour);
-CREATE TABLE IF NOT EXISTS llmproxy_compacted (hour INTEGER PRIMARY KEY, at_ns INTEGER NOT NULL);
-CREATE TABLE IF NOT EXISTS llmproxy_dirty (hour INTEGER PRIMARY KEY);
+CREATE INDEX IF NOT EXISTS {table}_start ON {table} (start);
+""" for table in A.HISTS.values()) + """
+CREATE TABLE IF NOT EXISTS llmproxy_compacted (span INTEGER NOT NULL, start INTEGER NOT NULL, at_ns INTEGER NOT NULL, PRIMARY KEY (span, start));
+CREATE TABLE IF NOT EXISTS llmproxy_dirty (span INTEGER NOT NULL, start INTEGER NOT NULL, PRIMARY KEY (span, start));
 """
 INSERT = (f"INSERT INTO llmproxy_records ({', '.join(NAMES)}) VALUES ({', '.join('?' * len(NAMES))}) "
-          "ON CONFLICT (model, upstream, key, ended_ns) DO NOTHING")
+          "ON CONFLICT (ended_ns, key) DO NOTHING")
 ADD = A.rollup(A.SQLITE, "(SELECT * FROM llmproxy_records WHERE id > ?)")
-COMPACT = A.compact(A.SQLITE)
 ENDED = C.COLUMNS.index("ended_ns")
 
 
@@ -116,7 +119,7 @@ class SQLiteBackend:
         db = self.db
         assert db is not None
         try:
-            values = [(*C.values(r.rid, record), r.data) for r in rows for record in (r.parsed(),)]
+            values = [(*C.values(r.rid, record), codec.pack(r.data)) for r in rows for record in (r.parsed(),)]
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise Rejected(f"not a record: {exc}") from None
         return self._insert(db, values)
@@ -131,8 +134,7 @@ class SQLiteBackend:
                 before = db.execute("SELECT coalesce(max(id), 0) FROM llmproxy_records").fetchone()[0]
                 db.executemany(INSERT, values)
                 db.execute(ADD, (before,))
-                db.executemany("INSERT OR IGNORE INTO llmproxy_dirty (hour) VALUES (?)",
-                               [(hour,) for hour in A.late_hours((v[ENDED] for v in values), time.time_ns())])
+                db.executemany("INSERT OR IGNORE INTO llmproxy_dirty (span, start) VALUES (?, ?)", A.dirty((v[ENDED] for v in values), time.time_ns()))
                 if then is not None:
                     db.execute(*then)
                 return int(db.execute("SELECT count(*) FROM llmproxy_records WHERE id > ?", (before,)).fetchone()[0])
@@ -157,7 +159,8 @@ class SQLiteBackend:
                     cutoff = time.time_ns() - int(self.max_age_s * 1e9)
                     db.execute("DELETE FROM llmproxy_records WHERE ended_ns < ?", (cutoff,))
                     for table in ("llmproxy_rollup", "llmproxy_hist", "llmproxy_compacted", "llmproxy_dirty"):
-                        db.execute(f"DELETE FROM {table} WHERE hour < ?", (cutoff // C.HOUR_NS,))
+                        db.execute(f"DELETE FROM {table} WHERE start < ?", (cutoff - cutoff % C.HOUR_NS,))
+                db.execute("DELETE FROM llmproxy_hist_block WHERE start < ?", (time.time_ns() - int(A.BLOCKS_KEPT_S * 1e9),))
                 if self.max_rows > 0:
                     # Ids are max(id) + 1 and deletes only take the oldest, so the newest max_rows are
                     # those above max(id) - max_rows, found in the index at once.
@@ -168,32 +171,24 @@ class SQLiteBackend:
         except sqlite3.Error as exc:
             raise Unavailable(str(exc)) from None
 
-    def compact(self, before_hour: int | None = None) -> int:
-        """Every hour due (and before `before_hour`), now: how many were compacted (an import's)."""
+    def compact(self, before_ns: int = A.INF_NS) -> int:
+        """Every block and hour due (ending before `before_ns`), now: how many (an import's)."""
         db = self.db
         assert db is not None
         done = 0
-        while self._compact_one(db, before_hour):
+        while self._compact_one(db, before_ns):
             done += 1
         return done
 
     @staticmethod
-    def _compact_one(db: sqlite3.Connection, before_hour: int | None = None) -> bool:
-        """The oldest hour that has ended, has records, and is not compacted or is dirty: its histograms
-        computed again from its records, in one transaction. False when none is due."""
-        with db:
-            db.execute("BEGIN IMMEDIATE")
-            due = db.execute("SELECT DISTINCT hour FROM llmproxy_rollup WHERE hour < ? AND (hour IN (SELECT hour FROM llmproxy_dirty) "
-                             "OR hour NOT IN (SELECT hour FROM llmproxy_compacted)) ORDER BY hour LIMIT 1",
-                             (min(A.compactable(time.time_ns()), before_hour if before_hour is not None else 1 << 62),)).fetchone()
-            if due is None:
-                return False
-            hour = int(due[0])
-            db.execute("DELETE FROM llmproxy_dirty WHERE hour = ?", (hour,))
-            db.execute("DELETE FROM llmproxy_hist WHERE hour = ?", (hour,))
-            db.execute(COMPACT, (hour, hour * C.HOUR_NS, (hour + 1) * C.HOUR_NS))
-            db.execute("INSERT OR REPLACE INTO llmproxy_compacted (hour, at_ns) VALUES (?, ?)", (hour, time.time_ns()))
-        return True
+    def _compact_one(db: sqlite3.Connection, before_ns: int = A.INF_NS) -> bool:
+        @contextlib.contextmanager
+        def transaction(span: int, start: int) -> Iterator[None]:
+            with db:
+                db.execute("BEGIN IMMEDIATE")
+                yield
+
+        return A.compact_next(db, A.SQLITE, transaction, time.time_ns(), before_ns)
 
     def _move(self, db: sqlite3.Connection) -> bool:
         """One chunk of schema 1's records into this schema (named `instance/v1/id`), in one transaction."""
@@ -205,7 +200,7 @@ class SQLiteBackend:
             record = orjson.loads(data)
             record.setdefault("instance", "")
             record["id"] = rid = f"{record['instance']}/v1/{legacy_id}"
-            values.append((*C.values(rid, record), orjson.dumps(record)))
+            values.append((*C.values(rid, record), codec.pack(orjson.dumps(record))))
         self._insert(db, values, ("DELETE FROM requests WHERE id <= ?", (rows[-1][0],)))
         return True
 
@@ -229,7 +224,7 @@ class SQLiteBackend:
         """The newest `limit` records (every worker's), oldest first: for /llmproxy/requests and /ui."""
         where, args = _where(filters)
         rows = self._read(f"SELECT data FROM llmproxy_records{where} ORDER BY ended_ns DESC LIMIT ?", (*args, max(0, limit)))
-        return [bytes(row[0]) for row in reversed(rows)]
+        return [codec.unpack(row[0]) for row in reversed(rows)]
 
     def aggregate(self, by: tuple[str, ...], window: A.Window, cells: bool = True) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
         db = connect(self.path, 5.0, readonly=True)
@@ -241,23 +236,27 @@ class SQLiteBackend:
                 return db.execute(sums, sargs).fetchall(), []
             with db:  # (one snapshot for the plan and both reads)
                 db.execute("BEGIN")
-                clean = db.execute("SELECT hour FROM llmproxy_compacted WHERE hour >= ? AND hour NOT IN (SELECT hour FROM llmproxy_dirty)",
-                                   (window.first_hour,)).fetchall()
-                (sums, sargs), (text, cargs) = A.queries(A.SQLITE, by, window, *window.split(h for (h,) in clean))
+                clean = db.execute(A.CLEAN, (window.first_block,)).fetchall()
+                (sums, sargs), (text, cargs) = A.queries(A.SQLITE, by, window, A.plan(window, clean))
                 return db.execute(sums, sargs).fetchall(), db.execute(text, cargs).fetchall()
         finally:
             db.close()
 
-    def sample(self, fit: str, model: str, upstream: str, window: A.Window) -> list[tuple[int, float, float]]:
-        sql, args = A.sample(A.SQLITE, fit, window)
-        return self._read(sql, [model, upstream, *args])
+    def samples(self, wanted: list[tuple[str, str, str]], window: A.Window) -> list[list[tuple[int, float, float]]]:
+        db = connect(self.path, 5.0, readonly=True)
+        try:
+            if not db.execute("SELECT 1 FROM sqlite_master WHERE name = 'llmproxy_records'").fetchone():
+                return [[] for _ in wanted]
+            return [A.sampled(db, A.SQLITE, fit, model, upstream, window) for fit, model, upstream in wanted]
+        finally:
+            db.close()
 
     def export(self, start_ns: int) -> Iterator[bytes]:
         db = connect(self.path, 5.0, readonly=True)
         try:
             if db.execute("SELECT 1 FROM sqlite_master WHERE name = 'llmproxy_records'").fetchone():
                 for (data,) in db.execute("SELECT data FROM llmproxy_records WHERE ended_ns >= ? ORDER BY ended_ns", (start_ns,)):
-                    yield bytes(data)
+                    yield codec.unpack(data)
         finally:
             db.close()
 

@@ -5,27 +5,29 @@ the store's batch transaction with the rollup, each record in the hour of its ow
 ids the store already holds skipped. This is how a user who outgrows the embedded SQLite moves to the
 fleet's PostgreSQL with the history, and how a store is seeded for a test or a bench.
 
-An import writes from `WRITERS` connections at once (batches alternate; the server's work is most of
-the cost, and a second connection puts it on a second core) and compacts the hours it has gone past
-as it goes, on a connection of its own (an hour it reaches again is marked dirty and compacted once
-more at the end), so a day of history is ready to read when it returns.
+An import reads with `WORKERS` processes at once, each a writer of its own (parsing a record and
+making its columns is as much work as the server's inserting it: a process each keeps both cores
+busy), taking chunks of lines from a bounded queue, and compacts the blocks and hours they have all
+gone past as it goes, on a connection of its own (one reached again is marked dirty and compacted
+once more at the end), so a day of history is ready to read when it returns.
 """
 from __future__ import annotations
 
 import collections
 import gc
+import multiprocessing
 import threading
 import time
 from dataclasses import dataclass
-from typing import BinaryIO, Callable, Iterable
+from typing import Any, BinaryIO, Callable, Iterable
 
 from . import Backend, Rejected, Writer
-from .columns import HOUR_NS
 
-WRITERS = 2
-BATCH = 5000  # rows per transaction: an import's batches are large (the proxy's own: 500 at most)
-BUFFER = 20_000  # records waiting per writer
-LAG = 2 * WRITERS * BUFFER  # lines behind the reader an hour is taken as complete (what may still be buffered)
+WORKERS = 2
+BATCH = 5000  # rows per transaction (the proxy's own batches: 500 at most)
+CHUNK = 4 * 1024 * 1024  # bytes of lines handed to a worker at a time (whole lines: split by the worker)
+BUFFER = 20_000  # records waiting in a worker's writer
+LAG = 2 * BUFFER  # records behind a worker's reading a block is taken as written (what may still be buffered)
 DOWN_S = 30.0  # an import gives up after the store has been unreachable this long
 
 
@@ -35,7 +37,7 @@ class Imported:
     stored: int = 0
     rejected: int = 0
     dropped: int = 0
-    hours: int = 0  # compacted
+    compacted: int = 0  # blocks and hours
     seconds: float = 0.0
 
     @property
@@ -60,13 +62,13 @@ class _Compactor(threading.Thread):
 
     def __init__(self, store: Backend) -> None:
         super().__init__(name="llmproxy-import-compact", daemon=True)
-        self.store, self.before_hour, self.hours = store, 0, 0
+        self.store, self.before_ns, self.done = store, 0, 0
         self.error: BaseException | None = None
         self._wake, self._done = threading.Event(), False
 
-    def advance(self, hour: int) -> None:
-        if hour > self.before_hour:
-            self.before_hour = hour
+    def advance(self, before_ns: int) -> None:
+        if before_ns > self.before_ns:
+            self.before_ns = before_ns
             self._wake.set()
 
     def run(self) -> None:
@@ -75,7 +77,7 @@ class _Compactor(threading.Thread):
             while not self._done:
                 self._wake.wait(1.0)
                 self._wake.clear()
-                self.hours += self.store.compact(before_hour=self.before_hour)
+                self.done += self.store.compact(self.before_ns)
         except BaseException as exc:  # noqa: BLE001 - reported by `finish`; the final pass compacts what is left
             self.error = exc
         finally:
@@ -87,50 +89,87 @@ class _Compactor(threading.Thread):
         self.join()
 
 
-def run_import(lines: Iterable[bytes], open_store: Callable[[], Backend], warn: Callable[[str], None]) -> Imported:
-    """JSON lines into the store `open_store` opens (once per connection)."""
-    result = Imported()
-    began = time.monotonic()
+def _work(open_store: Callable[[], Backend], chunks: Any, progress: Any, index: int, results: Any) -> None:
+    """A worker process: chunks of lines through a writer of its own, until a None."""
+    gc.disable()  # (records hold no cycles; a collector walking the buffer's dicts would cost a third of the time)
     dropped: collections.Counter[str] = collections.Counter()
-    gc.disable()  # (records hold no cycles; a collector walking the buffers' dicts would cost a third of the time)
-    writers = [Writer(open_store(), "import", BUFFER, 64 * 1024 * 1024, lambda: None, lambda reason, n: dropped.update({reason: n}),
-                      batch=BATCH, retain=False) for _ in range(WRITERS)]
-    compactor = _Compactor(open_store())
-    compactor.start()
+    writer = Writer(open_store(), "import", BUFFER, 64 * 1024 * 1024, lambda: None, lambda reason, n: dropped.update({reason: n}),
+                    batch=BATCH, retain=False)
     recent: collections.deque[int] = collections.deque(maxlen=LAG)
-    try:
-        for line in lines:
+    lines, rejected, errors, failure = 0, 0, [], ""
+    while (chunk := chunks.get()) is not None:
+        if failure:
+            continue  # (drained, so that the reader never waits on a full queue)
+        for line in chunk.split(b"\n"):
             if not line.strip():
                 continue
-            result.lines += 1
+            lines += 1
             try:
                 row = Writer.row(line)
             except Rejected as exc:
-                result.rejected += 1
-                if result.rejected <= 3:
-                    warn(f"line {result.lines}: {exc}")
+                rejected += 1
+                errors.append(str(exc))
                 continue
-            writers[(result.lines // BATCH) % WRITERS].put_row(row)
+            writer.put_row(row)
             recent.append(row.ended_ns)
-            if result.lines % BATCH == 0:
-                if len(recent) == LAG:
-                    compactor.advance(recent[0] // HOUR_NS)
-                if any(writer.down_s > DOWN_S for writer in writers):
-                    raise ValueError(f"the records store {writers[0].backend.where} has been unreachable for {DOWN_S:.0f} s")
+        if len(recent) == LAG:
+            progress[index] = recent[0]
+        if writer.down_s > DOWN_S:
+            failure = f"the records store {writer.backend.where} has been unreachable for {DOWN_S:.0f} s"
+    writer.close(timeout=3600)
+    results.put((lines, writer.written, rejected, sum(dropped.values()), errors[:3], failure))
+
+
+def run_import(source: BinaryIO, open_store: Callable[[], Backend], warn: Callable[[str], None]) -> Imported:
+    """JSON lines from `source` into the store `open_store` opens (once per connection). The reader
+    only cuts the stream into chunks of whole lines; the workers parse them."""
+    result = Imported()
+    began = time.monotonic()
+    context = multiprocessing.get_context("fork")
+    chunks, results = context.Queue(maxsize=2 * WORKERS), context.Queue()
+    progress = context.Array("q", [0] * WORKERS)
+    workers = [context.Process(target=_work, args=(open_store, chunks, progress, i, results), daemon=True) for i in range(WORKERS)]
+    for worker in workers:
+        worker.start()
+    compactor = _Compactor(open_store())
+    compactor.start()
+    rest = b""
+    try:
+        while block := source.read(CHUNK):
+            block = rest + block
+            cut = block.rfind(b"\n") + 1
+            if cut:
+                chunks.put(block[:cut])
+            rest = block[cut:]
+            reached = [int(progress[i]) for i in range(WORKERS)]
+            if all(reached):
+                compactor.advance(min(reached))
+        if rest:
+            chunks.put(rest)
     finally:
-        for writer in writers:
-            writer.close(timeout=3600)
+        for _ in workers:
+            chunks.put(None)
+        reports = [results.get() for _ in workers]
+        for worker in workers:
+            worker.join()
         compactor.finish()
-        gc.enable()
+    failures = [failure for *_, failure in reports if failure]
+    if failures:
+        raise ValueError(failures[0])
+    for lines, stored, rejected, dropped, errors, _ in reports:
+        result.lines += lines
+        result.stored += stored
+        result.rejected += rejected
+        result.dropped += dropped
+        for error in errors:
+            warn(error)
     if compactor.error is not None:
         warn(f"compacting while importing: {compactor.error} (compacted at the end instead)")
     store = open_store()
-    store.open()  # what is left: the last hours, and any an out-of-order line reached again
+    store.open()  # what is left: the last blocks and hours, and any an out-of-order line reached again
     try:
-        result.hours = compactor.hours + store.compact()
+        result.compacted = compactor.done + store.compact()
     finally:
         store.close()
-    result.stored = sum(writer.written for writer in writers)
-    result.dropped = sum(dropped.values())
     result.seconds = time.monotonic() - began
     return result

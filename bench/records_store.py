@@ -44,6 +44,13 @@ def record() -> dict[str, Any]:
     return out
 
 
+def fresh() -> dict[str, Any]:
+    """The record, ending now (the writer names each record it adds: a new id)."""
+    out = record()
+    out["received_unix_ns"] = time.time_ns() - int(out["duration_s"] * 1e9)
+    return out
+
+
 def cpu() -> float:
     import resource
 
@@ -111,38 +118,23 @@ def drivers(pg: Postgres, n: int = 20_000, batch: int = 500) -> list[tuple[str, 
 
 
 def writer_rate(pg: Postgres, n: int = 50_000) -> tuple[float, float]:
-    """One replica's writer (the proxy's own code: buffer, batches, staged COPY): records/s from the
-    first add to the last stored, and the writer process's CPU per record."""
-    pg.query(f"DROP TABLE IF EXISTS {TABLE}, llmproxy_meta")
+    """One replica's writer (the proxy's own code: buffer, batches, COPY and the rollup): records/s from
+    the first add to the last stored, and the writer process's CPU per record."""
+    pg.query(f"DROP TABLE IF EXISTS {TABLE}, llmproxy_rollup, llmproxy_hist, llmproxy_hist_block, llmproxy_compacted, llmproxy_dirty, "
+             "llmproxy_meta")
     backend = PostgresBackend(pg.dsn, 0, 0.0, str(pg.password_file))
-    writer = Writer(backend, "bench", n + 1, 10**10, lambda: None, lambda *_: None, 0.0)
-    one = record()
-    writer.add(one)
+    writer = Writer(backend, "bench", n + 1, 10**10, lambda: None, lambda *_: None)
+    writer.add(fresh())
     writer.flush(30)  # connected and migrated before the clock starts
     began, used = time.perf_counter(), cpu()
     for _ in range(n):
-        writer.add(one)
+        writer.add(fresh())
     writer.flush(120)
     elapsed, spent = time.perf_counter() - began, cpu() - used
     writer.close()
     stored = pg.query(f"SELECT count(*) FROM {TABLE}")[0][0]
     assert stored == n + 1, stored
     return n / elapsed, spent / n * 1e6
-
-
-def retention(pg: Postgres, rows: int = 200_000, keep: int = 100_000) -> float:
-    """Rows deleted per second by the retention of --records-max-rows (chunked, indexed deletes)."""
-    pg.query(f"TRUNCATE {TABLE}")
-    pg.query(f"INSERT INTO {TABLE} (rid, ended_ns, instance, pid, model, upstream, endpoint, stream, outcome, api, data) "
-             f"SELECT 'r' || g, g, 'pod', 1, 'm', 'u', 'chat', true, 'ok', 'openai', '{{}}'::json FROM generate_series(1, %s) g", rows)
-    backend = PostgresBackend(pg.dsn, keep, 0.0, str(pg.password_file))
-    backend.open()
-    began = time.perf_counter()
-    while pg.query(f"SELECT count(*) FROM {TABLE}")[0][0] > keep:
-        backend.retain()
-    elapsed = time.perf_counter() - began
-    backend.close()
-    return (rows - keep) / elapsed
 
 
 def chunk_cpu(pg: Postgres, rounds: int = 4, seconds: float = 6.0, streams: int = 16) -> dict[str, list[float]]:
@@ -182,7 +174,6 @@ def main() -> int:
             print(f"| {form} | {rate:,.0f} | {us:.1f} |")
         rate, us = writer_rate(pg)
         print(f"\none replica's writer (Writer + PostgresBackend, 50,000 records): {rate:,.0f} records/s, {us:.1f} µs of CPU per record")
-        print(f"retention by rows (chunked indexed deletes of 100,000 of 200,000 rows): {retention(pg):,.0f} rows deleted/s")
         figures = chunk_cpu(pg)
         print("\n| records in | proxy CPU µs per relayed chunk (16 streams; median of rounds) | rounds |\n|---|---|---|")
         for name, values in figures.items():

@@ -12,7 +12,7 @@ replicas in front of one engine each see their share of its streams (read them t
 from __future__ import annotations
 
 import collections
-from typing import Any
+from typing import Any, Iterable
 
 from .records.aggregate import Aggregate, Judged
 from .slo import Objective
@@ -64,13 +64,20 @@ def capacity(levels: dict[int, int], decode: dict[str, Any] | None, objective: O
     return out
 
 
-def summary(by_slo: dict[tuple[str, ...], Aggregate], objectives: tuple[Objective, ...]) -> dict[str, dict[str, Any]]:
-    """Per SLO over every model it covers (the objectives file's, and any the records name): `by_slo`
-    is a window's aggregates by the dimension `slo`."""
-    seen = {key[0] for key in by_slo if key[0]}
-    names = [o.name for o in objectives] + sorted(seen - {o.name for o in objectives})
+def summary(groups: Iterable[Aggregate], objectives: tuple[Objective, ...]) -> dict[str, dict[str, Any]]:
+    """Per SLO over every model it covers (the objectives file's, and any the records name), from a
+    window's aggregates (by any dimensions: each objective's verdicts are summed over them)."""
+    merged: dict[str, Judged] = {}
+    for agg in groups:
+        for name, judged in agg.slos.items():
+            into = merged.setdefault(name, Judged())
+            into.judged += judged.judged
+            into.good += judged.good
+            into.span.add(judged.span.start, judged.span.end)
+            into.misses.update(judged.misses)
+    names = [o.name for o in objectives] + sorted(set(merged) - {o.name for o in objectives})
     by_name = {o.name: o for o in objectives}
-    return {name: attainment(by_slo[(name,)].slos.get(name) if (name,) in by_slo else None, by_name.get(name)) for name in names}
+    return {name: attainment(merged.get(name), by_name.get(name)) for name in names}
 
 
 def render(name: str, s: dict[str, Any]) -> list[str]:

@@ -89,7 +89,6 @@ def explain(args: argparse.Namespace) -> int:
     from . import budget
     from .explain import explain as analyse
     from .explain import gather, render, to_json
-    from .records.aggregate import read
     from .records.sql import Window
     from .records.sqlite import default_path
 
@@ -116,7 +115,7 @@ def explain(args: argparse.Namespace) -> int:
     if args.json:
         print(to_json(report))
     else:
-        for name, summary in budget.summary(read(stores, ("slo",), window, histograms=False), objectives).items():
+        for name, summary in budget.summary(groups.values(), objectives).items():
             print("\n".join(budget.render(name, summary)))
         print(render(report))
     if args.plot:

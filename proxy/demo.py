@@ -199,14 +199,13 @@ def print_slo(store: Any, objectives: Any) -> None:
 
     from . import budget
     from .explain import explain, gather
-    from .records.aggregate import read
-    from .records.sql import Window
 
-    report = explain(gather([store]), objectives=objectives)
+    groups = gather([store])
+    report = explain(groups, objectives=objectives)
     table = Table(title="Service-level objectives, judged on every request above (--slo)")
     for column in ("slo", "objectives", "judged", "attainment", "target", "budget left", "goodput", "misses by blamed phase", "capacity"):
         table.add_column(column, justify="right", no_wrap=True)
-    summaries = budget.summary(read([store], ("slo",), Window(), histograms=False), objectives)
+    summaries = budget.summary(groups.values(), objectives)
     for o in objectives:
         s = summaries[o.name]
         stated = " ".join(f"{name} {value * 1000:g}ms" if value < 1 else f"{name} {value:g}s" for name, value in o.thresholds.items())

@@ -60,7 +60,7 @@ def theil_sen(points: list[tuple[float, float]], sums: list[float] | None = None
     if len({x for x, _ in points}) < 2:
         return None
     head = points[:PAIRS]
-    slope = statistics.median((y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(head) for x2, y2 in head[i + 1:] if x2 != x1)
+    slope = statistics.median([(y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(head) for x2, y2 in head[i + 1:] if x2 != x1])
     intercept = statistics.median(y - slope * x for x, y in points)
     if sums is None:
         sums = [float(len(points)), sum(x for x, _ in points), sum(y for _, y in points), sum(x * x for x, _ in points),

@@ -91,7 +91,7 @@ def test_the_store_answers_as_every_record_did(records, store):
     old, new = oracle(records), explain(gather([store]), objectives=fleet.OBJECTIVES)
     assert sorted(new) == sorted(old)
     assert differences(new, old) == []
-    summaries = budget.summary(read([store], ("slo",), Window(), histograms=False), fleet.OBJECTIVES)
+    summaries = budget.summary(read([store], ("slo",), Window(), histograms=False).values(), fleet.OBJECTIVES)
     assert differences(summaries, reference.summary(records, fleet.OBJECTIVES)) == []
 
 
@@ -157,3 +157,23 @@ def test_percentiles_are_within_one_bucket_of_the_value():
         truth = ordered[low] + (ordered[min(low + 1, len(ordered) - 1)] - ordered[low]) * (position - low)
         assert agg.quantile(C.PHASE_CODES["prefill"], q) == pytest.approx(truth, rel=C.GAMMA ** 0.5 - 1 + 1e-9)
     assert agg.quantile(C.PHASE_CODES["prefill"], 0.5, zeros=100) == 0.0  # (a phase most records lack: its median is 0)
+
+
+def test_a_busy_models_sample_is_the_one_a_full_scan_finds(records, store, monkeypatch):
+    """A fit's sample is the points with the lowest keys: read from the sixteenth of the records indexed
+    by key when that holds enough of them (a busy model), else from all of its points; the same points
+    either way (so every store, and every path, samples alike)."""
+    import sqlite3
+
+    from proxy.records import sql
+
+    monkeypatch.setattr(sql, "SAMPLE", 5)  # (a busy model: one whose sixteenth holds 5 points)
+    monkeypatch.setattr(sql, "BUSY", 0)
+    model, upstream = max(((r["model"], r["upstream"]) for r in records), key=lambda g: sum(1 for r in records if (r["model"], r["upstream"]) == g))
+    db = sqlite3.connect(f"file:{store.where}?mode=ro", uri=True)
+    busy, every = sql.sample(sql.SQLITE, "prefill")
+    assert len(db.execute(busy, (model, upstream, 0)).fetchall()) == 5  # (the busy path is the one taken)
+    assert sql.sampled(db, sql.SQLITE, "prefill", model, upstream, 10**6, Window()) == db.execute(every, (model, upstream, 0)).fetchall()
+    quiet = sorted(((r["model"], r["upstream"]) for r in records), key=lambda g: sum(1 for r in records if (r["model"], r["upstream"]) == g))[0]
+    assert len(db.execute(busy, (*quiet, 0)).fetchall()) < 5
+    assert sql.sampled(db, sql.SQLITE, "prefill", *quiet, 10**6, Window()) == db.execute(every, (*quiet, 0)).fetchall()

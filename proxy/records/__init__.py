@@ -112,8 +112,8 @@ class Backend(Protocol):
 
     def compact(self, before_ns: int = 1 << 62) -> int: ...  # on the writer's connection: what is due (ending before that) compacted now
 
-    def samples(self, wanted: list[tuple[str, str, str]], window: Window) -> list[list[tuple[int, float, float]]]: ...
-    # (each (fit, model, upstream)'s sample: (key, x, y), on one connection)
+    def samples(self, wanted: list[tuple[str, str, str, int]], window: Window) -> list[list[tuple[int, float, float]]]: ...
+    # (each (fit, model, upstream, its points in the window)'s sample: (key, x, y), on one connection)
 
     def export(self, start_ns: int) -> Iterator[bytes]: ...  # every record's JSON since start_ns, oldest first
 

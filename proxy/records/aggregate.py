@@ -171,9 +171,9 @@ def read(stores: list[Backend], by: tuple[str, ...], window: Window, samples: bo
         cells += more_cells
     groups = fold(by, sums, cells)
     if samples:
-        wanted = [(fit, model, upstream) for model, upstream in groups for fit in ("prefill", "decode")]
+        wanted = [(fit, model, upstream, int(agg.fits[fit][0])) for (model, upstream), agg in groups.items() for fit in ("prefill", "decode")]
         found = [store.samples(wanted, window) for store in stores]
-        for i, (fit, model, upstream) in enumerate(wanted):
+        for i, (fit, model, upstream, _) in enumerate(wanted):
             points = sorted(point for rows in found for point in rows[i])  # (the lowest keys of every store together)
             groups[(model, upstream)].samples[fit] = [(x, y) for _, x, y in points[:SAMPLE]]
     return groups

@@ -28,8 +28,10 @@ replica writes to one store; every reader (`explain --db postgresql://…`, `/ll
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import re
+import threading
 import time
 from typing import Any, Iterator
 
@@ -59,11 +61,11 @@ SCHEMA = (
     # dimensions, the figures' values, the fits' points, the blamed phases) and the record as JSON text
     # (never parsed by the server: cast data::json to query into it).
     f"CREATE TABLE IF NOT EXISTS {TABLE} ({', '.join(f'{c} {TYPES[c]}' for c in C.COLUMNS)}, data bytea NOT NULL) PARTITION BY RANGE (ended_ns)",
-    # Each index grows at its end (by time) but the sample's: random inserts into a large index miss the cache, so that one
-    # holds a sixteenth of the records (a busy model's sample; a quiet one's is found by time).
+    # Each index grows at its end (by time): a random insert into a large index misses the cache. The samples: a quiet
+    # model's read from all its points in the window, a busy one's from a sixteenth of them (sql.py).
     f"CREATE UNIQUE INDEX IF NOT EXISTS {TABLE}_key ON {TABLE} (ended_ns, key)",  # once; the newest first; a batch's range
     f"CREATE INDEX IF NOT EXISTS {TABLE}_model ON {TABLE} (model, upstream, ended_ns) INCLUDE (key, px, py, dx, dy)",
-    f"CREATE INDEX IF NOT EXISTS {TABLE}_sample ON {TABLE} (model, upstream, key) INCLUDE (ended_ns, px, py, dx, dy) WHERE key < {A.SAMPLED}",
+    f"CREATE INDEX IF NOT EXISTS {TABLE}_sample ON {TABLE} (model, upstream, ended_ns) INCLUDE (key, px, py, dx, dy) WHERE key < {A.SAMPLED}",
     # The rare rows the list filters on (an instance's, or a common value's, are found newest first).
     f"CREATE INDEX IF NOT EXISTS {TABLE}_failed ON {TABLE} (outcome, ended_ns) WHERE outcome <> 'ok'",
     f"CREATE INDEX IF NOT EXISTS {TABLE}_miss ON {TABLE} (ended_ns) WHERE verdict = 'miss'",
@@ -145,8 +147,10 @@ class PostgresBackend:
         self.where = redact(url)
         self.max_rows = max(0, max_rows)  # (the default, -1: no row cap; age alone bounds the store)
         self.max_age_s = max_age_s
-        self.conn: psycopg.Connection[Any] | None = None
+        self.conn: psycopg.Connection[Any] | None = None  # the writer's
         self.partitions = Partitions()
+        self._readers: list[psycopg.Connection[Any] | None] = [None, None]
+        self._reader_locks = (threading.Lock(), threading.Lock())
 
     def _connect(self, **options: Any) -> psycopg.Connection[Any]:
         try:
@@ -279,13 +283,26 @@ class PostgresBackend:
                 pass  # (already broken: closing it is all that was left)
             self.conn = None
 
-    # Readers: a connection each.
+    # Readers: one connection, kept (a connection costs a password exchange: /ui asks every 2 s), one
+    # reader at a time on it; dropped when it fails, made again by the next read.
+
+    @contextlib.contextmanager
+    def _reading(self, second: bool = False) -> Iterator[psycopg.Connection[Any] | None]:
+        """The readers' connection (or their second); None while no replica of this version has written."""
+        index = int(second)
+        with self._reader_locks[index]:
+            conn = self._readers[index]
+            if conn is None or conn.closed:
+                conn = self._readers[index] = connect(self.url, self.password_file)
+            try:
+                yield conn if conn.execute("SELECT to_regclass(%s)", (TABLE,)).fetchone()[0] is not None else None  # type: ignore[index]
+            except psycopg.Error:
+                conn.close()
+                raise
 
     def _read(self, sql: str, args: list[Any] | tuple[Any, ...]) -> list[tuple[Any, ...]]:
-        with connect(self.url, self.password_file) as conn:
-            if conn.execute("SELECT to_regclass(%s)", (TABLE,)).fetchone()[0] is None:  # type: ignore[index]
-                return []  # no replica of this version has written yet
-            return conn.execute(sql, args).fetchall()
+        with self._reading() as conn:
+            return conn.execute(sql, args).fetchall() if conn is not None else []
 
     def recent(self, limit: int, filters: Filters) -> list[bytes]:
         """The fleet's newest `limit` records, oldest first (every replica's; `instance` selects one)."""
@@ -294,9 +311,9 @@ class PostgresBackend:
         return [codec.unpack(row[0]) for row in reversed(rows)]
 
     def aggregate(self, by: tuple[str, ...], window: A.Window, cells: bool = True) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
-        with connect(self.url, self.password_file) as conn:
-            if conn.execute("SELECT to_regclass(%s)", (TABLE,)).fetchone()[0] is None:  # type: ignore[index]
-                return [], []  # no replica of this version has written yet
+        with self._reading() as conn:
+            if conn is None:
+                return [], []
             if not cells:
                 ((sums, sargs),) = A.queries(A.POSTGRES, by, window)
                 return conn.execute(sums, sargs).fetchall(), []
@@ -305,17 +322,36 @@ class PostgresBackend:
                 conn.execute(WORK_MEM)
                 return self._read_window(conn, by, window)
 
-    @staticmethod
-    def _read_window(conn: psycopg.Connection[Any], by: tuple[str, ...], window: A.Window) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+    def _read_window(self, conn: psycopg.Connection[Any], by: tuple[str, ...], window: A.Window) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+        """The sums here; the parts of the histograms (the records' edges, the compacted blocks) split
+        between this connection and a second one, at once: the server counts on both cores."""
         clean = conn.execute(A.POSTGRES.sql(A.CLEAN), (window.first_block,)).fetchall()
-        (sums, sargs), (text, cargs) = A.queries(A.POSTGRES, by, window, A.plan(window, clean))
-        return conn.execute(sums, sargs).fetchall(), conn.execute(text, cargs).fetchall()
+        (sums, sargs), *parts = A.queries(A.POSTGRES, by, window, A.plan(window, clean))
+        with self._reading(second=True) as other:
+            def run(chunk: list[tuple[str, list[Any]]]) -> list[tuple[Any, ...]]:
+                assert other is not None
+                with other.transaction():
+                    other.execute(WORK_MEM)
+                    return [row for text, args in chunk for row in other.execute(text, args).fetchall()]
 
-    def samples(self, wanted: list[tuple[str, str, str]], window: A.Window) -> list[list[tuple[int, float, float]]]:
-        with connect(self.url, self.password_file) as conn:
-            if conn.execute("SELECT to_regclass(%s)", (TABLE,)).fetchone()[0] is None:  # type: ignore[index]
-                return [[] for _ in wanted]
-            return [A.sampled(conn, A.POSTGRES, fit, model, upstream, window) for fit, model, upstream in wanted]
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                theirs = pool.submit(run, parts[1::2])
+                rows = conn.execute(sums, sargs).fetchall()
+                cells = [row for text, args in parts[0::2] for row in conn.execute(text, args).fetchall()]
+                return rows, cells + theirs.result()
+
+    def samples(self, wanted: list[tuple[str, str, str, int]], window: A.Window) -> list[list[tuple[int, float, float]]]:
+        """Half of them on each reader connection, at once."""
+        def some(second: bool, part: list[tuple[str, str, str, int]]) -> list[list[tuple[int, float, float]]]:
+            with self._reading(second) as conn:
+                return [A.sampled(conn, A.POSTGRES, *each, window) if conn is not None else [] for each in part]
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            theirs = pool.submit(some, True, wanted[1::2])
+            mine = some(False, wanted[0::2])
+            out: list[list[tuple[int, float, float]]] = [[] for _ in wanted]
+            out[0::2], out[1::2] = mine, theirs.result()
+            return out
 
     def export(self, start_ns: int) -> Iterator[bytes]:
         with connect(self.url, self.password_file) as conn:

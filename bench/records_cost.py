@@ -3,7 +3,10 @@ and off (`--records-db ''`), side by side, interleaved rounds. Non-streaming req
 (16 keep-alive clients, 1 output token: the per-request work dominates) and the proxy's CPU per
 request (its threads, the records writer included).
 
-    .venv/bin/python bench/records_cost.py
+    .venv/bin/python bench/records_cost.py [--before DIR]
+
+`--before DIR` adds the same proxy, records on, from another checkout (`git worktree add DIR COMMIT`),
+to the same interleaved rounds: what a change to the records costs, side by side.
 """
 from __future__ import annotations
 
@@ -22,28 +25,37 @@ from proxy.demo import free_port, serve_command  # noqa: E402
 
 
 def main(rounds: int = 5, seconds: float = 5.0) -> int:
+    import argparse
+    import contextlib
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--before", default="", help="another checkout: its proxy, records on, in the same rounds")
+    args = parser.parse_args()
     sim_port = free_port()
     compare.SIM_URL = f"http://127.0.0.1:{sim_port}"
-    db = str(Path(tempfile.mkdtemp(prefix="llmproxy-bench-")) / "records.sqlite")
-    arms = {"records off": ["--records-db", ""], "records on": ["--records-db", db]}
+    here = str(Path(__file__).resolve().parent.parent)
+    folder = Path(tempfile.mkdtemp(prefix="llmproxy-bench-"))
+    arms = {"records off": (here, ["--records-db", ""]), "records on": (here, ["--records-db", str(folder / "records.sqlite")])}
+    if args.before:
+        arms["records on, before"] = (args.before, ["--records-db", str(folder / "before.sqlite")])
     ports = {name: free_port() for name in arms}
     figures: dict[str, dict[str, list[float]]] = {name: {"rps": [], "cpu_us": []} for name in arms}
-    with common.simulator(sim_port):
-        commands = {name: serve_command(str(Path(__file__).resolve().parent.parent), "serve", "--upstream", f"{compare.SIM_URL}/v1",
-                                        "--port", str(ports[name]), *flags) for name, flags in arms.items()}
-        with common.process(commands["records off"], f"http://127.0.0.1:{ports['records off']}/healthz") as off, \
-                common.process(commands["records on"], f"http://127.0.0.1:{ports['records on']}/healthz") as on:
-            pids = {"records off": off.pid, "records on": on.pid}
-            for name in arms:
-                asyncio.run(compare.non_streaming((ports[name], "/v1"), 1.0))
-            for round_ in range(rounds):
-                for name in (list(arms) if round_ % 2 == 0 else list(arms)[::-1]):
-                    before = common.cpu_seconds(pids[name])
-                    result = asyncio.run(compare.non_streaming((ports[name], "/v1"), seconds))
-                    requests = result["rps"] * seconds
-                    figures[name]["rps"].append(result["rps"])
-                    figures[name]["cpu_us"].append((common.cpu_seconds(pids[name]) - before) / max(1.0, requests) * 1e6)
-    print(f"command: .venv/bin/python bench/records_cost.py; {rounds} interleaved rounds of {seconds:g} s, medians")
+    with common.simulator(sim_port), contextlib.ExitStack() as stack:
+        pids = {}
+        for name, (src, flags) in arms.items():
+            command = serve_command(src, "serve", "--upstream", f"{compare.SIM_URL}/v1", "--port", str(ports[name]), *flags)
+            pids[name] = stack.enter_context(common.process(command, f"http://127.0.0.1:{ports[name]}/healthz")).pid
+        for name in arms:
+            asyncio.run(compare.non_streaming((ports[name], "/v1"), 1.0))
+        for round_ in range(rounds):
+            for name in (list(arms) if round_ % 2 == 0 else list(arms)[::-1]):
+                before = common.cpu_seconds(pids[name])
+                result = asyncio.run(compare.non_streaming((ports[name], "/v1"), seconds))
+                requests = result["rps"] * seconds
+                figures[name]["rps"].append(result["rps"])
+                figures[name]["cpu_us"].append((common.cpu_seconds(pids[name]) - before) / max(1.0, requests) * 1e6)
+    print(f"command: .venv/bin/python bench/records_cost.py{' --before ' + args.before if args.before else ''}; {rounds} interleaved "
+          f"rounds of {seconds:g} s, medians")
     print("| | non-streaming req/s | proxy CPU µs per request |")
     print("|---|---|---|")
     for name, f in figures.items():

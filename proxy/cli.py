@@ -103,7 +103,9 @@ def explain(args: argparse.Namespace) -> int:
         hardware = {"params": args.params, "bytes_per_param": args.bytes_per_param, "bandwidth": args.bandwidth,
                     "kv_bytes_per_token": args.kv_bytes_per_token}
     stores = _stores(args, paths)
-    window = Window(time.time_ns() - int(since * 1e9) if since else 0, (("model", args.model),) if args.model else ())
+    # --since from the start of the ten-minute block it falls in: every record before the last block is
+    # read from the aggregates, none one by one (a day of a fleet in seconds; the window is 0-10 min longer).
+    window = Window(time.time_ns() - int(since * 1e9) if since else 0, (("model", args.model),) if args.model else (), whole_blocks=True)
     groups = gather(stores, window)
     objectives: tuple[Objective, ...] = ()
     slo_path = args.slo or os.environ.get("LLMPROXY_SLO", "")
@@ -143,7 +145,7 @@ def records_import(args: argparse.Namespace) -> int:
     from .records.transfer import run_import
 
     password_file = args.db_password_file or os.environ.get("LLMPROXY_RECORDS_DB_PASSWORD_FILE", "")
-    done = run_import(sys.stdin.buffer, lambda: open_backend(args.db, password_file=password_file), lambda line: print(line, file=sys.stderr))
+    done = run_import(sys.stdin.buffer, lambda: open_backend(args.db, password_file=password_file, bulk=True), lambda line: print(line, file=sys.stderr))
     print(f"{done.lines:,} lines read, {done.stored:,} records stored, {done.skipped:,} skipped (already held), {done.rejected:,} not records, "
           f"{done.dropped:,} dropped, {done.compacted:,} blocks and hours compacted; {done.seconds:.1f} s, {done.lines / max(done.seconds, 1e-9):,.0f} "
           "lines/s", file=sys.stderr)

@@ -39,7 +39,8 @@ PHASES = ("client", "network", "tokenize", "queue", "load", "prefill", "reasonin
 BY = ("model", "upstream")
 METHOD = {"percentiles": f"from log buckets of ratio {C.GAMMA}: each within {C.GAMMA ** 0.5 - 1:.2%} of the value",
           "fits": f"Theil-Sen: the slope from {PAIRS} points, the intercept from {SAMPLE}, of a uniform sample (every point below that); "
-                  "R² and n over every point"}
+                  "R² and n over every point",
+          "window": "--since from the start of the ten-minute block it falls in (records are counted in blocks by their end)"}
 
 
 @dataclass
@@ -189,7 +190,7 @@ def of_records(records: list[dict[str, Any]]) -> Backend:
 def render(report: dict[str, Any]) -> str:
     """The text report: one block per model and upstream."""
     ms = lambda s: f"{s * 1000:.2f} ms" if s < 1 else f"{s:.3f} s"  # noqa: E731
-    out = [f"(percentiles {METHOD['percentiles']}; fits {METHOD['fits']})", ""] if report else []
+    out = [f"(percentiles {METHOD['percentiles']}; fits {METHOD['fits']}; window {METHOD['window']})", ""] if report else []
     for name, g in report.items():
         out.append(f"== {name}: {g['requests']} requests, {g['ok']} ok, {g['streams']} streamed")
         if g.get("apis"):

@@ -21,6 +21,7 @@ from proxy import budget
 from proxy.explain import explain, gather, of_records
 from proxy.records import Backend
 from proxy.records.aggregate import read
+from proxy.records import sql
 from proxy.records.sql import Window
 from proxy.records import columns as C
 
@@ -138,6 +139,26 @@ def test_a_window_starting_inside_an_hour(records):
     assert start % HOUR_NS != 0
     window = Window(start)
     inside = [r for r in records if C.ended_ns(r) >= start]
+    new = explain(gather([store], window), objectives=fleet.OBJECTIVES)
+    assert sum(g["requests"] for g in new.values()) == len(inside)
+    assert differences(new, oracle(inside)) == []
+
+
+def test_a_window_of_whole_blocks_answers_from_its_first_block(records):
+    """`explain --since`: from the start of the ten-minute block the start falls in, the blocks read
+    from the aggregates (compacted) and only the last ones from the records: the answer over every
+    record since that block's start."""
+    store = of_records(records)
+    store.open()
+    try:
+        store.compact()
+    finally:
+        store.close()
+    start = max(C.ended_ns(r) for r in records) - int(2.5 * 3600e9) + 123_456_789
+    window = Window(start, whole_blocks=True)
+    assert window.since_ns < start and window.since_ns % sql.BLOCK_NS == 0
+    inside = [r for r in records if C.ended_ns(r) >= window.since_ns]
+    assert len(inside) > len([r for r in records if C.ended_ns(r) >= start])  # (the block's head is in)
     new = explain(gather([store], window), objectives=fleet.OBJECTIVES)
     assert sum(g["requests"] for g in new.values()) == len(inside)
     assert differences(new, oracle(inside)) == []

@@ -339,13 +339,14 @@ def is_postgres(target: str) -> bool:
 
 
 def open_backend(target: str, max_rows: int = -1, max_age_s: float = 7 * 86400.0, password_file: str = "",
-                 busy_timeout_s: float = 5.0) -> Backend:
+                 busy_timeout_s: float = 5.0, bulk: bool = False) -> Backend:
     """The store a `--records-db` value names: a PostgreSQL URL, or an SQLite file path. `max_rows` -1:
-    the store's own default."""
+    the store's own default. `bulk`: a load that can be run again (`records import`), whose commits
+    need not wait for the server's WAL flush."""
     if is_postgres(target):
         from .postgres import PostgresBackend
 
-        return PostgresBackend(target, max_rows, max_age_s, password_file)
+        return PostgresBackend(target, max_rows, max_age_s, password_file, bulk)
     from .sqlite import SQLiteBackend
 
     return SQLiteBackend(target, max_rows, max_age_s, busy_timeout_s)

@@ -142,8 +142,12 @@ def migrate(conn: psycopg.Connection[Any]) -> None:
 class PostgresBackend:
     retain_every_s = RETAIN_EVERY_S
 
-    def __init__(self, url: str, max_rows: int = -1, max_age_s: float = 7 * 86400.0, password_file: str = "") -> None:
+    def __init__(self, url: str, max_rows: int = -1, max_age_s: float = 7 * 86400.0, password_file: str = "", bulk: bool = False) -> None:
         self.url, self.password_file = url, password_file
+        # An import's sessions commit without waiting for the WAL flush (synchronous_commit off, theirs
+        # only): a server crash loses their last commits, records and aggregates together (one
+        # transaction), and the import run again stores them (it skips the ids already held).
+        self.session = "-c statement_timeout=30000" + (" -c synchronous_commit=off" if bulk else "")
         self.where = redact(url)
         self.max_rows = max(0, max_rows)  # (the default, -1: no row cap; age alone bounds the store)
         self.max_age_s = max_age_s
@@ -161,7 +165,7 @@ class PostgresBackend:
             raise Unavailable(f"{self.password_file}: {exc.strerror or exc}") from None
 
     def open(self) -> None:
-        conn = self._connect(options="-c statement_timeout=30000")
+        conn = self._connect(options=self.session)
         try:
             migrate(conn)
             self.partitions = Partitions()
@@ -326,7 +330,7 @@ class PostgresBackend:
         """The sums here; the parts of the histograms (the records' edges, the compacted blocks) split
         between this connection and a second one, at once: the server counts on both cores."""
         clean = conn.execute(A.POSTGRES.sql(A.CLEAN), (window.first_block,)).fetchall()
-        (sums, sargs), *parts = A.queries(A.POSTGRES, by, window, A.plan(window, clean))
+        (sums, sargs), *parts = A.queries(A.POSTGRES, by, window, A.halved(A.plan(window, clean), time.time_ns()))
         with self._reading(second=True) as other:
             def run(chunk: list[tuple[str, list[Any]]]) -> list[tuple[Any, ...]]:
                 assert other is not None

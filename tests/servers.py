@@ -7,6 +7,7 @@ import os
 import resource
 import socket
 import subprocess
+import tempfile
 import sys
 import threading
 import time
@@ -194,6 +195,9 @@ class ProxyServer:
     def __init__(self, upstream: str, **settings: Any) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        # A records file of its own: the default is one per port, and a port freed by an earlier test's
+        # proxy may come round again in the same session with that proxy's records in its file.
+        settings.setdefault("records_db", os.path.join(tempfile.mkdtemp(prefix="llmproxy-test-records-"), "records.sqlite"))
         self.settings = Settings(upstream=upstream, port=self.port, **settings)
         self.exporter = InMemorySpanExporter()
         provider = TracerProvider()

@@ -51,6 +51,7 @@ PANEL_OUTCOMES = "Requests by outcome and code"
 PANEL_OVERHEAD = "Proxy's own overhead (phase proxy)"
 PANEL_SHED = "Shed load: 503 proxy_overloaded, by reason"
 PANEL_FDS = "Open descriptors vs the limit"
+PANEL_POOL = "The proxy's own upstream pool"
 ROW_SLO = "Service-level objectives"
 PANEL_SLO_MISSES = "SLO misses by blamed phase"
 MODEL = "{{ $labels.model }}"
@@ -64,6 +65,7 @@ FIRST_LOOK: dict[str, tuple[str, str, str]] = {  # alert: (panel, explain argume
     "LLMProxyOverheadHigh": (PANEL_OVERHEAD, "--since 1h", f"upstream={UPSTREAM}"),
     "LLMProxySaturated": (PANEL_SHED, "", "outcome=overloaded"),
     "LLMProxyDescriptorsNearLimit": (PANEL_FDS, "", "outcome=overloaded"),
+    "LLMProxyUpstreamPoolFull": (PANEL_POOL, "", f"upstream={UPSTREAM}"),
     "LLMProxyDown": (PANEL_OUTCOMES, "", ""),
     "LLMProxyMetricsAbsent": ("", "", ""),
 }
@@ -100,7 +102,7 @@ def build() -> dict:
     d = (
         Dashboard("LLM latency breakdown")
         .uid("llm-latency-breakdown")
-        .description("Where each successful LLM request's time goes, measured by llm-latency-proxy: client upload, proxy, network, tokenize, queue, hidden reasoning, prefill, decode.")
+        .description("Where each successful LLM request's time goes, measured by llm-latency-proxy: client upload, proxy, the proxy's own wait, network, tokenize, queue, hidden reasoning, prefill, decode.")
         .tags(["llm", "latency", "llm-latency-proxy"])
         .refresh("30s")
         .time("now-1h", "now")
@@ -204,10 +206,18 @@ def build() -> dict:
         description="Requests whose response went to the client whole but could not be read: event_too_large (a streamed event "
                     "past --max-event-bytes: the rest of that stream was relayed unframed), undecodable (a content-encoding the "
                     "proxy could not decode). Their latency split is missing, never wrong."))
+    d = d.with_panel(ts(PANEL_POOL, "short", [
+        q(f"sum by (upstream, state) (llmproxy_upstream_pool_connections{{{UP}}})", "{{upstream}} {{state}}", "A"),
+        q(f"sum by (upstream) (llmproxy_upstream_pool_limit{{{UP}}})", "{{upstream}} limit", "B"),
+        q(f"sum by (upstream, result) (rate(llmproxy_upstream_pool_waits_total{{{UP}}}[{RI}]))", "{{upstream}} found it full: {{result}} /s", "C")],
+        0, 70, w=12,
+        description="The proxy's own connections to each upstream: lent to requests (in_use), kept for reuse (idle), and the pool's "
+                    "size (--max-connections, else --max-in-flight, else what the open files limit holds). Requests that found it "
+                    "full waited (the phase wait, the proxy's own, never network) or got 503 proxy_overloaded (reason pool)."))
 
     d = d.with_row(Row("Per model"))
     per_model = (
-        table.Panel().title("Per model").datasource(DS).grid_pos(GridPos(h=8, w=24, x=0, y=71))
+        table.Panel().title("Per model").datasource(DS).grid_pos(GridPos(h=8, w=24, x=0, y=79))
         .with_transformation(DataTransformerConfig(id_val="merge", options={}))
         .with_transformation(DataTransformerConfig(id_val="organize", options={"excludeByName": {"Time": True}}))
         .with_target(q(f"sum by (model) (increase(llmproxy_requests_total{{{SEL}}}[$__range]))", "requests", "A", instant=True))
@@ -226,27 +236,27 @@ def build() -> dict:
     d = d.with_row(Row(ROW_SLO))
     d = d.with_panel(ts("SLO attainment vs target", "percentunit", [
         q(ratio(good, "1h"), "{{slo}} attainment (1h)", "A"),
-        q('max by (slo) (llmproxy_slo_target{slo=~"$slo"})', "{{slo}} target", "B")], 0, 80, w=8,
+        q('max by (slo) (llmproxy_slo_target{slo=~"$slo"})', "{{slo}} target", "B")], 0, 88, w=8,
         description="The share of judged generation requests that met every stated objective of their SLO (TTFT, TPOT, e2e), "
                     "over the last hour, against the SLO's target."))
-    d = d.with_panel(stat.Panel().title("Error budget left (selected range)").datasource(DS).grid_pos(GridPos(h=8, w=4, x=8, y=80))
+    d = d.with_panel(stat.Panel().title("Error budget left (selected range)").datasource(DS).grid_pos(GridPos(h=8, w=4, x=8, y=88))
                      .unit("percentunit").description("1 - the bad share over the dashboard's time range / the budget (1 - target). "
                                                       "Set the range to the SLO window (30 days by default); below 0: overspent.")
                      .with_target(q(f"1 - (sum by (slo) (increase({bad}[$__range])) / sum by (slo) (increase({judged}[$__range]))) / ({budget})",
                                     "{{slo}}", "A", instant=True, fmt="time_series")))
     d = d.with_panel(ts("Burn rate (1 h and 6 h)", "short", [
         q(f"({ratio(bad, '1h')}) / ({budget})", "{{slo}} 1h", "A"),
-        q(f"({ratio(bad, '6h')}) / ({budget})", "{{slo}} 6h", "B")], 12, 80, w=6,
+        q(f"({ratio(bad, '6h')}) / ({budget})", "{{slo}} 6h", "B")], 12, 88, w=6,
         description="The bad share divided by the budget: 1 spends the budget exactly over the SLO window. The page alert "
                     "(LLMSLOBudgetBurn) needs 14.4 over 1 h (and 5 m) or 6 over 6 h (and 30 m)."))
     d = d.with_panel(ts("Goodput vs throughput", "reqps", [
         q(f"sum by (slo) (rate({good}[{RI}]))", "{{slo}} goodput", "A"),
-        q(f"sum by (slo) (rate({judged}[{RI}]))", "{{slo}} judged requests", "B")], 18, 80, w=6,
+        q(f"sum by (slo) (rate({judged}[{RI}]))", "{{slo}} judged requests", "B")], 18, 88, w=6,
         description="Goodput (DistServe, vLLM's --goodput): requests per second that met every objective; beside it, every "
                     "judged request per second."))
     d = d.with_panel(ts(PANEL_SLO_MISSES, "reqps", [
         q(f"sum by (slo, objective, blame) (rate(llmproxy_slo_misses_total{{{SLO}}}[{RI}]))", "{{slo}} {{objective}}: {{blame}}", "A")],
-        0, 88, w=24, stack=StackingMode.NORMAL,
+        0, 96, w=24, stack=StackingMode.NORMAL,
         description="Which phase broke each miss: for ttft (and e2e) the phase furthest above its usual value for the model "
                     "(its median over recent good requests), for tpot decode, for error the outcome. Queue: the engine is "
                     "saturated; prefill: long prompts; reasoning: hidden reasoning; client: slow uploads."))
@@ -294,7 +304,7 @@ def first_look(alert: str) -> str:
     if explain:
         steps.append(f"`llm-latency-proxy explain {explain}` (the fitted split on the proxy's records)")
     if ui:
-        if alert in ("LLMProxySaturated", "LLMProxyDescriptorsNearLimit"):
+        if alert in ("LLMProxySaturated", "LLMProxyDescriptorsNearLimit", "LLMProxyUpstreamPoolFull"):
             steps.append(f"the requests themselves: http://{INSTANCE}/ui?{ui}")
         else:
             steps.append(f"the requests themselves: /ui?{ui} on any replica")

@@ -5,9 +5,12 @@ excess at once with `503 proxy_overloaded` and Retry-After instead (Envoy's `max
 `limit_conn`), so admitted streams keep their latency and clients retry elsewhere or later.
 
 Each request needs a descriptor for its client and one for its upstream connection. Many shells and
-systemd services start processes with a soft limit of 1,024 open files, far below what
-`--max-connections` allows, so at start-up each worker raises its soft limit to the hard one, logs
-the result, and warns when even that is below what the settings need.
+systemd services start processes with a soft limit of 1,024 open files, so when each worker is
+created it raises its soft limit to the hard one and logs how many streams that holds. The upstream
+pool is sized from it (or from --max-in-flight): a pool smaller than what the process can hold is a
+queue nobody asked for (stream 1,001 waiting for a whole answer to end, its wait read as network).
+An explicit --max-connections is a limit the operator chose: past it a request gets an immediate
+503 (`proxy_overloaded`, reason `pool`), or waits at most --pool-timeout, that wait the phase `wait`.
 """
 from __future__ import annotations
 
@@ -38,10 +41,28 @@ class Admission:
         self.in_flight -= 1
 
 
+def streams_held(soft: int) -> int:
+    """Streams a process with `soft` open files holds at once: a client and an upstream socket each."""
+    return max(1, (soft - RESERVE) // 2)
+
+
+def pool_size(settings: Settings) -> int:
+    """Connections an upstream's pool lends at once: --max-connections when set; else --max-in-flight
+    (a request holds one at most); else the streams the process's open files limit holds."""
+    if settings.max_connections > 0:
+        return settings.max_connections
+    if settings.max_in_flight > 0:
+        return settings.max_in_flight
+    return streams_held(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+
+
 def descriptors_needed(settings: Settings) -> int:
-    """A client and an upstream socket per request the settings allow at once, plus the reserve."""
-    clients = settings.max_in_flight or settings.max_connections
-    return clients + settings.max_connections + RESERVE
+    """A client and an upstream socket per request the settings allow at once, plus the reserve
+    (0 when nothing is set: the pool is sized from the limit itself)."""
+    if settings.max_connections <= 0 and settings.max_in_flight <= 0:
+        return 0
+    pool = pool_size(settings)
+    return (settings.max_in_flight or pool) + pool + RESERVE
 
 
 def _nr_open() -> int:
@@ -65,11 +86,12 @@ def raise_open_files_limit(settings: Settings) -> tuple[int, int, int]:
         except (ValueError, OSError) as exc:
             log.warning("could not raise the open files limit from %d to %d: %s", before, target, exc)
     needed = descriptors_needed(settings)
-    log.info("open files limit: %d (soft limit was %d, hard limit %s)", soft, before, "unlimited" if hard == resource.RLIM_INFINITY else hard)
+    log.info("open files limit: %d (soft limit was %d, hard limit %s): %d streams at once in this process, the upstream pool %d",
+             soft, before, "unlimited" if hard == resource.RLIM_INFINITY else hard, streams_held(soft), pool_size(settings))
     if soft < needed:
         log.warning(
             "open files limit %d is below the %d that --max-connections %d and as many client connections need "
             "(with --max-in-flight, that many): beyond it, requests get 503 proxy_overloaded. Raise the hard limit "
             "(systemd LimitNOFILE=, docker --ulimit nofile=N:N, Kubernetes: the container runtime's default) "
-            "or lower --max-connections.", soft, needed, settings.max_connections)
+            "or lower --max-connections.", soft, needed, pool_size(settings))
     return before, soft, hard

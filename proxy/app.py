@@ -70,6 +70,8 @@ class ProxyApp:
         # OTLP metrics, beside /metrics, when an OTLP endpoint is configured (a test passes its own).
         self.meters = meters if meters is not None else build_meters(settings, self.metrics.models, self.metrics.telemetry_error)
         self.telemetry = Telemetry(settings, self.metrics, Tracing(tracer_provider, settings), tokenizer, self.offload, self.slos, self.meters)
+        # In each worker, before its listener and its upstream pools exist (their size comes from it).
+        self.open_files = raise_open_files_limit(settings)[1]
         self.router = Router(settings)  # --routes, or the one --upstream for every model
         self.admission = Admission(settings.max_in_flight)
         self.metrics.child("llmproxy_max_in_flight", settings.upstream_label).set(settings.max_in_flight)
@@ -140,8 +142,7 @@ class ProxyApp:
 
     @asynccontextmanager
     async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
-        soft = raise_open_files_limit(self.settings)[1]  # in each worker, before its listener exists
-        self.metrics.child("llmproxy_max_fds").set(soft)
+        self.metrics.child("llmproxy_max_fds").set(self.open_files)
         watcher = asyncio.create_task(self._sample_every_second()) if self.metrics.multiprocess else None
         if self.settings.routes or self.settings.slo:
             try:  # (only the main thread of a process may; a test serving the app in a thread cannot)
@@ -199,10 +200,11 @@ class ProxyApp:
                               self.metrics.records_dropped, on_batch)
 
     def _sample(self) -> None:
-        """The gauges read off the process (open descriptors, bytes read ahead of slow clients), when
-        they are asked for: at each scrape, in its thread (listing thousands of descriptors takes ms).
-        Nothing wakes an idle proxy to keep them fresh."""
+        """The gauges read off the process (open descriptors, bytes read ahead of slow clients, the
+        upstream pools), when they are asked for: at each scrape, in its thread (listing thousands of
+        descriptors takes ms). Nothing wakes an idle proxy to keep them fresh."""
         self.metrics.child("llmproxy_read_ahead_bytes").set(self.router.budget.used)
+        self.metrics.pools({u.label: (u.in_use, u.idle, u.limit) for u in list(self.router.upstreams.values())})
         try:
             self.metrics.child("llmproxy_open_fds").set(_open_fds())
         except OSError:  # no /proc (not Linux), or out of descriptors for the listing itself

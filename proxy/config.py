@@ -48,8 +48,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("first_token_timeout", float, 600.0, "seconds from sending a request to its first content chunk, enforced after the headers too: comments (`: keep-alive`) and role-only chunks are not tokens (for non-streaming requests, the whole response)"),
     Option("read_timeout", float, 120.0, "seconds the upstream may stay silent between chunks once the first content chunk arrived; also how long a client may stop reading before it is cut (outcome client_slow)"),
     Option("write_timeout", float, 60.0, "seconds to send the request to the upstream"),
-    Option("pool_timeout", float, 30.0, "seconds to wait for a free upstream connection"),
-    Option("max_connections", int, 1000, "upstream connection pool size"),
+    Option("pool_timeout", float, 0.0, "seconds a request may wait for a free upstream connection when the pool is full (0: none, an immediate 503 `proxy_overloaded`, reason pool); the wait is the phase `wait`, the proxy's own"),
+    Option("max_connections", int, 0, "upstream connection pool size, per upstream and worker process (0: --max-in-flight if set, else as many streams as the open files limit holds, a client and an upstream socket each)"),
     Option("keepalive_expiry", float, 4.0, "seconds an idle upstream connection is kept for reuse, then closed by a sweep; below the 5 s after which uvicorn (vLLM, SGLang), llama.cpp and Node close idle connections, so the proxy never sends on one the server is closing"),
     Option("max_in_flight", int, 0, "admission control, per worker process: requests beyond this many in flight get an immediate 503 `proxy_overloaded` with Retry-After (0: off; size it from the saturation point in bench/RESULTS.md)"),
     Option("max_body_bytes", int, 32 * 1024 * 1024, "largest request body accepted (larger: 413)"),
@@ -118,8 +118,8 @@ class Settings:
     first_token_timeout: float = 600.0
     read_timeout: float = 120.0
     write_timeout: float = 60.0
-    pool_timeout: float = 30.0
-    max_connections: int = 1000
+    pool_timeout: float = 0.0
+    max_connections: int = 0
     keepalive_expiry: float = 4.0
     max_in_flight: int = 0
     max_body_bytes: int = 32 * 1024 * 1024
@@ -161,8 +161,8 @@ class Settings:
     def __post_init__(self) -> None:
         if self.admin_port and self.workers > 1:
             raise ValueError("--admin-port needs --workers 1 (protect /metrics with --admin-key instead)")
-        if self.keepalive_expiry < 0 or self.max_in_flight < 0:
-            raise ValueError("--keepalive-expiry and --max-in-flight must not be negative")
+        if self.keepalive_expiry < 0 or self.max_in_flight < 0 or self.max_connections < 0 or self.pool_timeout < 0:
+            raise ValueError("--keepalive-expiry, --max-in-flight, --max-connections and --pool-timeout must not be negative")
         if self.token_spans not in TOKEN_SPAN_MODES:
             raise ValueError(f"--token-spans must be one of {TOKEN_SPAN_MODES}, not {self.token_spans!r}")
         parts = urlsplit(self.upstream)

@@ -3,8 +3,8 @@
 Every failure the proxy itself reports becomes an OpenAI-style body
 `{"error": {"message", "type", "code", "param"}}` with a status that names the class of cause:
 502 when the upstream could not be reached or spoke garbage, 504 when it was too slow, 503 when
-the proxy itself is out of room (admission control, or out of descriptors, ephemeral ports or
-memory): that one is the proxy's, so it must never read as the upstream's fault.
+the proxy itself is out of room (admission control, its upstream pool full, or out of descriptors,
+ephemeral ports or memory): that one is the proxy's, so it must never read as the upstream's fault.
 Upstream HTTP errors (4xx/5xx, 429) are not ours: they pass through unchanged.
 """
 from __future__ import annotations
@@ -89,8 +89,9 @@ class ModelNotRouted(ProxyError):
 
 
 class ProxyOverloaded(ProxyError):
-    """The proxy has no room for this request: `reason` is max_in_flight (admission control),
-    descriptors, ports or memory (exhausted while accepting or connecting)."""
+    """The proxy has no room for this request: `reason` is max_in_flight (admission control), pool
+    (every connection of the upstream's pool in use, --max-connections), descriptors, ports or
+    memory (exhausted while accepting or connecting)."""
 
     status, type, code, outcome = 503, "proxy_error", "proxy_overloaded", "overloaded"
     retry_after_s = 1
@@ -101,7 +102,7 @@ class ProxyOverloaded(ProxyError):
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         out = [(b"retry-after", str(self.retry_after_s).encode())]
-        if self.reason != "max_in_flight":  # free this client's descriptor too
+        if self.reason not in ("max_in_flight", "pool"):  # out of descriptors, ports or memory: free this client's too
             out.append((b"connection", b"close"))
         return out
 
@@ -143,10 +144,6 @@ class ConnectTimeout(TransportError):
     pass
 
 
-class PoolTimeout(TransportError):
-    pass
-
-
 class WriteTimeout(TransportError):
     pass
 
@@ -180,7 +177,6 @@ def _root_causes(exc: BaseException) -> list[BaseException]:
 # response (headers or body) is bounded by the relay's first-token and read limits, not here.
 TRANSPORT_ERRORS: tuple[tuple[type[BaseException], type[ProxyError], str], ...] = (
     (ConnectTimeout, UpstreamTimeout, "timed out connecting to the upstream"),
-    (PoolTimeout, UpstreamTimeout, "timed out waiting for a free upstream connection"),
     (WriteTimeout, UpstreamTimeout, "timed out sending the request upstream"),
     (EgressError, UpstreamProxyError, "could not reach the upstream through the egress proxy"),
     (ConnectError, UpstreamConnectError, "could not connect to the upstream"),

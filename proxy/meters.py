@@ -66,7 +66,7 @@ INSTRUMENTS: tuple[InstrumentDef, ...] = (
     InstrumentDef("gen_ai.client.token.usage", "histogram", "{token}", "Tokens per request, by gen_ai.token.type (input, output).", TOKEN_BUCKETS),
     InstrumentDef("gen_ai.server.time_to_first_token", "histogram", "s", "Time to the first content chunk of a successful streamed response.", TTFT_BUCKETS),
     InstrumentDef("gen_ai.server.time_per_output_token", "histogram", "s", "Per successful streamed request: (duration - TTFT) / (visible output tokens per choice - 1).", TPOT_BUCKETS),
-    InstrumentDef("llmproxy.phase.duration", "histogram", "s", "Seconds of each phase of a successful request, by llmproxy.phase (client, proxy, network, tokenize, queue, load, reasoning, prefill, decode, server); they sum to its duration.", PHASE_BUCKETS),
+    InstrumentDef("llmproxy.phase.duration", "histogram", "s", "Seconds of each phase of a successful request, by llmproxy.phase (client, proxy, wait: the proxy's own wait for its upstream pool, network, tokenize, queue, load, reasoning, prefill, decode, server); they sum to its duration.", PHASE_BUCKETS),
     InstrumentDef("llmproxy.decode.rate", "histogram", "{token}/s", "Per successful request: tokens streamed after each choice's first content chunk / its decode window, averaged over choices.", RATE_BUCKETS),
     InstrumentDef("llmproxy.slo.requests", "counter", "{request}", "Generation requests judged against their objective (--slo), by llmproxy.slo and llmproxy.slo.result (good, bad)."),
     InstrumentDef("llmproxy.slo.misses", "counter", "{request}", "Bad requests by llmproxy.slo.objective (ttft, tpot, e2e, error) and llmproxy.slo.blame (the phase, or the outcome)."),

@@ -23,7 +23,7 @@ BASE = ("model", "upstream", "endpoint", "stream")
 # Telemetry components, initialised to 0 so dashboards and alerts see the series before any error.
 COMPONENTS = ("metrics", "tracing", "tokenizer", "records", "timing", "slo", "otlp_export", "otlp_metrics")
 # Why the proxy itself answered 503 proxy_overloaded (errors.EXHAUSTED holds the exhaustion ones).
-REJECT_REASONS = ("max_in_flight", "descriptors", "ports", "memory")
+REJECT_REASONS = ("max_in_flight", "pool", "descriptors", "ports", "memory")
 # Why a relayed response was not (wholly) measured (timing.Unmeasured).
 UNMEASURED_REASONS = ("event_too_large", "undecodable", "client_backpressure")
 # What each objective's misses can be blamed on (slo.py): their series start at 0, so a burn's first
@@ -51,7 +51,7 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("llmproxy_unmeasured_requests", "counter", "Requests relayed whole but not (wholly) measured, by reason: event_too_large (a streamed event past --max-event-bytes), undecodable (a content-encoding the proxy could not decode), client_backpressure (a slow client filled the stream's read-ahead, --stream-buffer-bytes, so reading paused: its decode figures would be the client's pace and are left out of the decode histograms).", ("upstream", "reason")),
     MetricDef("llmproxy_requests_in_flight", "gauge", "Requests being relayed now.", ("upstream",)),
     MetricDef("llmproxy_max_in_flight", "gauge", "The admission cap, --max-in-flight, summed over worker processes (0: no cap).", ("upstream",)),
-    MetricDef("llmproxy_requests_rejected", "counter", "Requests the proxy answered 503 proxy_overloaded itself, by reason: max_in_flight (admission control), descriptors, ports, memory (the proxy ran out while connecting upstream or relaying). Never the upstream's fault.", ("upstream", "reason")),
+    MetricDef("llmproxy_requests_rejected", "counter", "Requests the proxy answered 503 proxy_overloaded itself, by reason: max_in_flight (admission control), pool (every connection of the upstream's pool in use: --max-connections, --pool-timeout), descriptors, ports, memory (the proxy ran out while connecting upstream or relaying). Never the upstream's fault.", ("upstream", "reason")),
     MetricDef("llmproxy_read_ahead_bytes", "gauge", "Bytes of streamed responses read from upstreams ahead of slow clients now (per stream at most --stream-buffer-bytes, in all --stream-buffer-total-bytes; read at each scrape; with workers, each worker's every second).", ()),
     MetricDef("llmproxy_open_fds", "gauge", "Open file descriptors of the proxy's processes (read at each scrape; with workers, each worker's every second).", ()),
     MetricDef("llmproxy_max_fds", "gauge", "The open files limit (RLIMIT_NOFILE soft limit, after the proxy raised it to the hard one), summed over worker processes.", ()),
@@ -62,7 +62,7 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("llmproxy_inter_chunk_latency_seconds", "summary", "Per choice: gap between consecutive content chunks (mean from sum / count).", BASE),
     MetricDef("llmproxy_decode_tokens_per_second", "histogram", "Per request: tokens streamed after each choice's first content chunk / that choice's decode window, averaged over choices; hidden reasoning tokens excluded.", BASE, TPS_BUCKETS),
     MetricDef("llmproxy_prefill_tokens_per_second", "histogram", "Per request: uncached prompt tokens / prefill phase seconds.", BASE, PREFILL_TPS_BUCKETS),
-    MetricDef("llmproxy_phase_seconds", "counter", "Seconds spent in each phase of successful requests (client, proxy, network, tokenize, queue, load, reasoning, prefill, decode, server); the phases sum to the request duration, so per phase / llmproxy_request_duration_seconds_sum is the split.", BASE + ("phase",)),
+    MetricDef("llmproxy_phase_seconds", "counter", "Seconds spent in each phase of successful requests (client, proxy, wait: the proxy's own wait for its upstream pool, network, tokenize, queue, load, reasoning, prefill, decode, server); the phases sum to the request duration, so per phase / llmproxy_request_duration_seconds_sum is the split.", BASE + ("phase",)),
     MetricDef("llmproxy_proxy_overhead_seconds", "histogram", "Per successful request: the proxy's own time (the phase proxy), for its quantiles; not by model (it does not depend on one).", ("upstream", "endpoint", "stream"), OVERHEAD_BUCKETS),
     MetricDef("llmproxy_engine_prefill_seconds", "summary", "Reported by the engine (llama.cpp timings.prompt_ms, vLLM metrics.time_to_first_token_ms, Ollama prompt_eval_duration): its prompt processing time.", BASE),
     MetricDef("llmproxy_engine_time_per_output_token_seconds", "summary", "Reported by the engine (llama.cpp timings.predicted_per_token_ms, vLLM metrics.mean_itl_ms, TGI x-time-per-token, Ollama eval_duration / eval_count): its decode time per output token.", BASE),
@@ -73,6 +73,9 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("llmproxy_token_cache_bytes", "gauge", "Bytes of prompt text whose token counts the cache holds (at most 64 MiB per process).", ()),
     MetricDef("llmproxy_tokens", "counter", "Tokens by kind (prompt, completion, cached_prompt: prompt tokens served from the cache, reasoning: hidden reasoning tokens, part of completion) and source (usage, engine, tokenizer).", ("model", "upstream", "kind", "source")),
     MetricDef("llmproxy_upstream_connections", "counter", "Upstream requests by whether they reused a pooled connection.", ("upstream", "reused")),
+    MetricDef("llmproxy_upstream_pool_connections", "gauge", "Connections of the proxy's own pool to each upstream now, by state: in_use (lent to a request) or idle (kept for reuse); over llmproxy_upstream_pool_limit, how full the pool is (read at each scrape; with workers, each worker's every second).", ("upstream", "state")),
+    MetricDef("llmproxy_upstream_pool_limit", "gauge", "The size of the proxy's pool per upstream, summed over worker processes: --max-connections, else --max-in-flight, else the streams the open files limit holds.", ("upstream",)),
+    MetricDef("llmproxy_upstream_pool_waits", "counter", "Requests that found the upstream's pool full, by result: waited (they got a connection within --pool-timeout; that wait is the phase `wait`, the proxy's own) or refused (503 proxy_overloaded, reason pool). Any at all: the proxy's own pool is the bottleneck, not the network or the engine.", ("upstream", "result")),
     MetricDef("llmproxy_telemetry_errors", "counter", "Failures inside metrics, tracing, tokenizer, records, the SLO verdict or OTLP exports (otlp_export: spans, otlp_metrics: metrics); the request itself was unaffected.", ("component",)),
     MetricDef("llmproxy_records_written", "counter", "Per-request records written to the records store (--records-db).", ()),
     MetricDef("llmproxy_records_buffered", "gauge", "Per-request records waiting to be written to the records store now (the store is down or slow when it grows).", ()),
@@ -210,6 +213,8 @@ class ProxyMetrics:
             child("llmproxy_unmeasured_requests", upstream, t.unmeasured).inc()
         if t.outcome == "overloaded":
             child("llmproxy_requests_rejected", upstream, t.error.rpartition(":")[2]).inc()
+        if t.pool_full:
+            child("llmproxy_upstream_pool_waits", upstream, "refused" if t.error == "proxy_overloaded:pool" else "waited").inc()
         for step, seconds in (b.connect.items() if b is not None else ()):
             child("llmproxy_upstream_connect_seconds", upstream, step).observe(seconds)
         if t.rtt_s is not None:
@@ -281,11 +286,24 @@ class ProxyMetrics:
         dashboard and LLMProxySaturated see them before any overload."""
         for reason in REJECT_REASONS:
             self.child("llmproxy_requests_rejected", upstream, reason)
+        for result in ("waited", "refused"):
+            self.child("llmproxy_upstream_pool_waits", upstream, result)
         for reason in UNMEASURED_REASONS:
             self.child("llmproxy_unmeasured_requests", upstream, reason)
         for reason in ("descriptors", "memory"):
             self.child("llmproxy_accept_pauses", reason)
         return lambda reason: self.child("llmproxy_accept_pauses", reason).inc()
+
+    def pools(self, upstreams: dict[str, tuple[int, int, int]]) -> None:
+        """Each upstream pool's (in use, idle, limit) now; the gauges of an upstream no longer routed go."""
+        for (name, *labels), _ in list(self._bound.items()):
+            if name in ("llmproxy_upstream_pool_connections", "llmproxy_upstream_pool_limit") and labels[0] not in upstreams:
+                self.m[name].remove(*labels)
+                del self._bound[(name, *labels)]
+        for label, (in_use, idle, limit) in upstreams.items():
+            self.child("llmproxy_upstream_pool_connections", label, "in_use").set(in_use)
+            self.child("llmproxy_upstream_pool_connections", label, "idle").set(idle)
+            self.child("llmproxy_upstream_pool_limit", label).set(limit)
 
     def render(self, accept: str) -> tuple[bytes, str]:
         """The exposition for GET /metrics (OpenMetrics with exemplars when asked for)."""

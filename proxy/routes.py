@@ -7,7 +7,7 @@ The routing file (YAML):
         url: http://vllm-a:8000/v1
         api_key_env: ""                   # env var whose value is sent as the key (optional)
         connect_timeout: 10               # optional, like the flags: connect_timeout,
-        max_connections: 1000             #   first_token_timeout, read_timeout, write_timeout,
+        max_connections: 256              #   first_token_timeout, read_timeout, write_timeout,
                                           #   pool_timeout, max_connections, keepalive_expiry,
         upstream_proxy: http://proxy:3128 #   upstream_proxy (none: direct; default: the environment's)
     routes:

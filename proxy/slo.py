@@ -23,8 +23,8 @@ Verdicts (`judge`), as DistServe and vLLM's `--goodput` define a good request, b
   TTFT objective without a first token (or with a late one) it is a TTFT miss, past `e2e` an e2e miss
   (users give up on slow answers); one that leaves sooner is not counted.
 
-Blame: a TTFT miss names the phase before the first token (client, proxy, network, tokenize, queue,
-load, reasoning, prefill) that exceeds its *usual* value for that model the most; an e2e miss the
+Blame: a TTFT miss names the phase before the first token (client, proxy, wait, network, tokenize,
+queue, load, reasoning, prefill) that exceeds its *usual* value for that model the most; an e2e miss the
 same over every phase; a TPOT miss `decode`. Usual = the phase's median over that model's last
 `USUAL_WINDOW` requests that met their objectives (so a lasting incident does not become the norm
 it is measured against); with no such request yet, 0 (the largest phase is blamed). When no phase
@@ -48,7 +48,7 @@ log = logging.getLogger("llmproxy.slo")
 
 GENERATION = frozenset({"chat", "completions", "responses", "messages", "generate_content", "ollama_chat", "ollama_generate"})
 OBJECTIVES = ("ttft", "tpot", "e2e")  # what a request can miss, besides `error`
-BEFORE_FIRST_TOKEN = ("client", "proxy", "network", "tokenize", "queue", "load", "reasoning", "prefill")
+BEFORE_FIRST_TOKEN = ("client", "proxy", "wait", "network", "tokenize", "queue", "load", "reasoning", "prefill")
 FAILED = ("upstream_error", "timeout", "proxy_error", "overloaded")  # outcomes that are the service's failure
 LEFT = ("client_disconnect", "client_slow")  # the client went away, or stopped reading
 USUAL_WINDOW = 256  # good requests per model the usual phase values are the median of

@@ -16,13 +16,15 @@ exactly once, when the request ends, whatever the ending. Definitions (docs/defi
   proxy     = (body read -> upstream request issued) + (first content chunk read -> handed to
               the server's send) + (upstream stream ended -> last byte handed to the server's send,
               less the client's part of it)
-  network   = pool wait + DNS + TCP + (CONNECT through an egress proxy) + TLS + request upload + one RTT
+  wait      = the proxy's own wait for a free upstream connection (its pool full: --max-connections,
+              --pool-timeout); a queue inside the proxy, never network, never the engine's `queue`
+  network   = DNS + TCP + (CONNECT through an egress proxy) + TLS + request upload + one RTT
   tokenize  = the proxy's tokenizer CPU time for this prompt, standing for the server's own
   reasoning = hidden reasoning tokens / the request's own decode rate (an estimate)
   prefill   = ttft - all of the above (the server's queue + prefill)
   decode    = upstream stream ended - first content chunk handed on (decode plus the closing chunks)
   Non-streaming responses have no first chunk: their server time is the phase `server`.
-  network, tokenize and reasoning are capped so that prefill is never negative and the sum stays
+  wait, network, tokenize and reasoning are capped so that prefill is never negative and the sum stays
   exact. Instants are taken where the bytes are read: the request's first byte and its body's last
   in the server protocol (server.py), each upstream piece in the upstream protocol (connection.py),
   never when a task wakes, so time the event loop spent on other requests is the proxy's own.
@@ -52,10 +54,10 @@ Outcome = Literal["ok", "upstream_error", "client_disconnect", "client_slow", "t
 Endpoint = Literal["chat", "completions", "embeddings", "responses", "responses_other", "messages", "messages_other", "generate_content",
                    "gemini_other", "ollama_chat", "ollama_generate", "ollama_embed", "ollama_other", "other"]
 Unmeasured = Literal["", "event_too_large", "undecodable", "client_backpressure"]
-Phase = Literal["client", "proxy", "network", "tokenize", "queue", "load", "reasoning", "prefill", "decode", "server"]
+Phase = Literal["client", "proxy", "wait", "network", "tokenize", "queue", "load", "reasoning", "prefill", "decode", "server"]
 TokenSource = Literal["usage", "engine", "tokenizer"]
 OUTCOMES: tuple[Outcome, ...] = ("ok", "upstream_error", "client_disconnect", "client_slow", "timeout", "proxy_error", "overloaded")
-PHASES: tuple[Phase, ...] = ("client", "proxy", "network", "tokenize", "queue", "load", "reasoning", "prefill", "decode", "server")
+PHASES: tuple[Phase, ...] = ("client", "proxy", "wait", "network", "tokenize", "queue", "load", "reasoning", "prefill", "decode", "server")
 
 
 def _s(start_ns: int | None, end_ns: int | None) -> float | None:
@@ -76,6 +78,7 @@ class RequestTiming:
     body_end_ns: int | None = None  # the client's request body fully read
     # upstream exchange (stamped by upstream.py at each step)
     issued_ns: int | None = None
+    pool_full: bool = False  # the pool had no free slot when the request was issued (it waited, or was refused)
     first_event_ns: int | None = None
     dns_start_ns: int | None = None
     dns_end_ns: int | None = None
@@ -210,7 +213,8 @@ def split(t: RequestTiming) -> Breakdown:
     pool_wait = _s(t.issued_ns, t.first_event_ns)
     rtt = t.rtt_s if t.rtt_s is not None else (tcp or 0.0)
     upload = _s(t.send_start_ns, t.sent_ns) or 0.0
-    network = (pool_wait or 0.0) + sum(connect.values()) + upload + (rtt if t.headers_ns is not None else 0.0)
+    wait = pool_wait or 0.0
+    network = sum(connect.values()) + upload + (rtt if t.headers_ns is not None else 0.0)
 
     gaps: list[float] = []
     itl: list[float] = []
@@ -252,10 +256,11 @@ def split(t: RequestTiming) -> Breakdown:
         phases["proxy"] = max(0.0, e2e - client)
     elif ttft is not None and first is not None:
         budget = max(0.0, ttft - client - proxy_before)
-        network = min(network, budget)
-        tokenize = min(tokenize, budget - network)
-        rest = budget - network - tokenize
-        phases.update(network=network, tokenize=tokenize)
+        wait = min(wait, budget)
+        network = min(network, budget - wait)
+        tokenize = min(tokenize, budget - wait - network)
+        rest = budget - wait - network - tokenize
+        phases.update(wait=wait, network=network, tokenize=tokenize)
         hidden = t.hidden_reasoning_tokens
         if hidden and decode_tps:
             phases["reasoning"] = min(rest, hidden / decode_tps)
@@ -267,9 +272,10 @@ def split(t: RequestTiming) -> Breakdown:
         phases["decode"] = decode_window - proxy_first
     else:
         budget = max(0.0, e2e - client - phases["proxy"])
-        network = min(network, budget)
-        tokenize = min(tokenize, budget - network)
-        phases.update(network=network, tokenize=tokenize, server=budget - network - tokenize)
+        wait = min(wait, budget)
+        network = min(network, budget - wait)
+        tokenize = min(tokenize, budget - wait - network)
+        phases.update(wait=wait, network=network, tokenize=tokenize, server=budget - wait - network - tokenize)
     phases = refine(phases, t.engine)
     prefill_s = phases.get("prefill")
     uncached = t.prompt_tokens - (t.cached_prompt_tokens or 0) if t.prompt_tokens else None

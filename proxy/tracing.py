@@ -215,6 +215,9 @@ class Tracing:
                 if start is not None and end is not None:
                     out.append(self._span(spans, name, new_id(), conn_id, wall(start), wall(end)))
             out.append(self._span(spans, "upstream.connect", conn_id, spans.upstream_id, wall(connect_start), wall(connect_end)))
+        if t.pool_full and t.issued_ns is not None and t.first_event_ns is not None:  # the proxy's own queue, named as such
+            out.append(self._span(spans, "proxy.wait", new_id(), spans.upstream_id, wall(t.issued_ns), wall(t.first_event_ns),
+                                  {"llmproxy.description": "waiting for a free connection of the proxy's own upstream pool (--max-connections)"}))
         # Server-side steps, laid back to back where they happen: ending at the first token
         # (streaming) or starting when the request was sent (non-streaming).
         order = ("tokenize", "queue", "reasoning", "prefill") if t.content_ns else ("tokenize", "queue", "prefill", "decode", "server")

@@ -1,8 +1,8 @@
 """The pool of connections to the upstream, and the timing of each network step.
 
 Connections are `proxy.connection.Connection` protocols on the event loop (uvloop under the
-server). Each step is stamped here, in the one place that performs it: pool wait (the slot and a
-pooled connection), DNS (resolved by us, so it is timed apart from TCP), TCP connect, TLS handshake
+server). Each step is stamped here, in the one place that performs it: the pool (a slot and a
+pooled connection: a wait here is the proxy's own, the phase `wait`, never network), DNS (resolved by us, so it is timed apart from TCP), TCP connect, TLS handshake
 (`loop.start_tls` on the connected socket, so it is timed apart from TCP), request sent and
 response headers. After the headers we read the kernel's smoothed RTT for the very socket the
 request used (Linux TCP_INFO).
@@ -25,7 +25,8 @@ from typing import Any, Awaitable, Callable
 from . import egress
 from .config import Settings
 from .connection import Budget, Connection
-from .errors import ConnectError, ConnectTimeout, EgressError, PoolTimeout, TransportError, WriteTimeout
+from .admission import pool_size
+from .errors import ConnectError, ConnectTimeout, EgressError, ProxyOverloaded, TransportError, WriteTimeout
 from .timing import RequestTiming, now_ns
 
 _TCP_INFO = getattr(socket, "TCP_INFO", None)
@@ -89,7 +90,10 @@ class Upstream:
         # closes expired ones from the front.
         self._idle: list[Connection] = []
         self._sweep_timer: asyncio.TimerHandle | None = None
-        self._slots = asyncio.Semaphore(settings.max_connections)
+        # The pool's size: --max-connections, else as many streams as the process can hold (admission.py).
+        self.limit = pool_size(settings)
+        self._slots = asyncio.Semaphore(self.limit)
+        self.in_use = 0  # connections lent out now (the pool gauges, read at the scrape)
 
     def target(self, path: str, query: bytes) -> bytes:
         """The upstream's request target for the client's `path` (the query string goes as it came):
@@ -118,14 +122,19 @@ class Upstream:
         """Send and return once the response headers arrived; the caller reads the body, then
         hands the connection back with `release` (always: it also frees the pool slot)."""
         timing.issued_ns = now_ns()
-        if self._slots.locked():
+        if self._slots.locked():  # the pool is full: the proxy's own limit, never the upstream's fault
+            timing.pool_full = True
+            if self.pool_timeout <= 0:
+                raise ProxyOverloaded("pool", f"all {self.limit} connections to {self.label} in use, the limit set by --max-connections")
             try:
                 async with asyncio.timeout(self.pool_timeout):
                     await self._slots.acquire()
             except TimeoutError:
-                raise PoolTimeout("no free upstream connection") from None
+                raise ProxyOverloaded("pool", f"all {self.limit} connections to {self.label} stayed in use for --pool-timeout "
+                                              f"{self.pool_timeout:g} s") from None
         else:
             await self._slots.acquire()
+        self.in_use += 1
         connection = None
         try:
             connection = self._checkout()
@@ -146,6 +155,7 @@ class Upstream:
             timing.headers_ns = max(sent, connection.headers_ns)  # read off the socket, not when this task woke
         except BaseException:
             self._slots.release()
+            self.in_use -= 1
             if connection is not None:
                 connection.abort()
             raise
@@ -238,6 +248,7 @@ class Upstream:
         """Give the connection back: pooled if the response was read whole and the upstream keeps
         it open, else closed (mid-body: aborted, which makes an engine such as vLLM stop generating)."""
         self._slots.release()
+        self.in_use -= 1
         now = connection.loop.time()
         connection.expires_at = now + self.keepalive_expiry
         if connection.reusable(now):
@@ -260,6 +271,11 @@ class Upstream:
         del idle[:expired]
         if idle:
             self._sweep_timer = loop.call_at(idle[0].expires_at, self._sweep, loop)
+
+    @property
+    def idle(self) -> int:
+        """Pooled connections waiting for a request now."""
+        return len(self._idle)
 
     def close(self) -> None:
         if self._sweep_timer is not None:

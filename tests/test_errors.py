@@ -25,7 +25,6 @@ def test_dns_and_tls_are_named():
 
 def test_timeouts_are_504_and_refusals_502():
     assert map_transport_error(transport.ConnectTimeout("t"), "u").status == 504
-    assert map_transport_error(transport.PoolTimeout("t"), "u").status == 504
     assert map_transport_error(transport.WriteTimeout("t"), "u").status == 504
     refused = map_transport_error(caused(transport.ConnectError("x"), ConnectionRefusedError(111, "refused")), "u")
     assert refused.status == 502 and refused.code == "upstream_connect_error"

@@ -71,12 +71,14 @@ def test_a_burst_leaves_no_descriptor_and_no_close_wait(spawn, upstream_keepaliv
 
 
 def test_out_of_descriptors_is_a_503_naming_the_proxy_never_a_502(spawn, tmp_path):
-    """RLIMIT_NOFILE 256 for the proxy alone (soft = hard, so it cannot raise it) and 400 streams at
-    once: every request that fails gets 503 proxy_overloaded with Retry-After, none a 502 and none
-    a reset connection; the proxy warns about the limit at start and serves normally afterwards."""
+    """RLIMIT_NOFILE 256 for the proxy alone (soft = hard, so it cannot raise it), a pool set above what
+    that holds (--max-connections 1000) and 400 streams at once: every request that fails gets 503
+    proxy_overloaded with Retry-After, none a 502 and none a reset connection; the proxy warns about
+    the limit at start and serves normally afterwards. (With the default pool, sized from the limit,
+    the excess is refused as `pool` instead: test_the_default_pool_sheds_what_the_limit_cannot_hold.)"""
     sim = spawn(Simulator, "--decode-tps", "50")
     log = tmp_path / "proxy.log"
-    proxy = spawn(Proxy, f"{sim.url}/v1", "--log-level", "info", nofile=(256, 256), log=log)
+    proxy = spawn(Proxy, f"{sim.url}/v1", "--log-level", "info", "--max-connections", "1000", nofile=(256, 256), log=log)
     result = run_burst(f"{proxy.url}/v1", 400, max_tokens=10)
     print(f"\nRLIMIT_NOFILE 256, 400 streams: statuses {dict(result.statuses)}, codes {dict(result.codes)}, "
           f"no response {dict(result.transport)}")
@@ -91,8 +93,27 @@ def test_out_of_descriptors_is_a_503_naming_the_proxy_never_a_502(spawn, tmp_pat
     after = run_burst(f"{proxy.url}/v1", 5, max_tokens=5)
     assert after.statuses == {200: 5}
     text = log.read_text()
-    assert "open files limit: 256 (soft limit was 256, hard limit 256)" in text
+    assert "open files limit: 256 (soft limit was 256, hard limit 256): 96 streams at once in this process" in text
     assert "open files limit 256 is below the 2064 that --max-connections 1000" in text
+
+
+def test_the_default_pool_sheds_what_the_limit_cannot_hold(spawn, tmp_path):
+    """The same 256 open files and 400 streams with default flags: the pool is sized from the limit
+    (96 streams), so nothing waits in a queue nobody asked for; the excess gets an immediate 503
+    naming the proxy's pool (or its descriptors), never a 502, a 504 or a reset."""
+    sim = spawn(Simulator, "--decode-tps", "50")
+    log = tmp_path / "proxy.log"
+    proxy = spawn(Proxy, f"{sim.url}/v1", "--log-level", "info", nofile=(256, 256), log=log)
+    result = run_burst(f"{proxy.url}/v1", 400, max_tokens=10)
+    assert not result.transport, "a client got no HTTP answer (reset or refused)"
+    assert set(result.statuses) <= {200, 503} and result.statuses[200] >= 96
+    assert result.codes == {"proxy_overloaded": result.statuses[503]}
+    pool, fds = (proxy.metric("llmproxy_requests_rejected_total", reason=r) for r in ("pool", "descriptors"))
+    assert pool > 0 and pool + fds == result.statuses[503]
+    assert proxy.metric("llmproxy_upstream_pool_waits_total", result="refused") == pool
+    assert proxy.metric("llmproxy_upstream_pool_limit") == 96
+    text = log.read_text()
+    assert "96 streams at once in this process, the upstream pool 96" in text and "is below" not in text
 
 
 def test_the_soft_limit_is_raised_to_the_hard_one(spawn, tmp_path):
@@ -103,7 +124,7 @@ def test_the_soft_limit_is_raised_to_the_hard_one(spawn, tmp_path):
     soft, hard = next(line.split()[3:5] for line in limits.splitlines() if line.startswith("Max open files"))
     assert (soft, hard) == ("4096", "4096")
     text = log.read_text()
-    assert "open files limit: 4096 (soft limit was 256, hard limit 4096)" in text
+    assert "open files limit: 4096 (soft limit was 256, hard limit 4096): 2016 streams at once in this process, the upstream pool 500" in text
     assert "is below" not in text  # 4096 covers 500 upstream + 500 client connections
     assert proxy.metric("llmproxy_max_fds") == 4096
 

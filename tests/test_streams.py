@@ -106,10 +106,10 @@ def test_errors_do_not_bend_the_breakdown(sim, proxy_factory):
     time.sleep(0.2)
     response = httpx.post(f"{server.v1}/chat/completions", json={"model": "sim-7b", "messages": MSG, "max_tokens": 2}, timeout=10)
     holder.join()
-    assert response.status_code == 504 and "free upstream connection" in response.json()["error"]["message"]
+    assert response.status_code == 503 and "--pool-timeout 0.3 s" in response.json()["error"]["message"]  # the proxy's own pool
     server.wait_records(2)
     labels = {"model": "sim-7b", "upstream": server.settings.upstream_label, "endpoint": "chat"}
-    assert server.sample("llmproxy_requests_total", {**labels, "stream": "false", "outcome": "timeout", "code": "504"}) == 1
+    assert server.sample("llmproxy_requests_total", {**labels, "stream": "false", "outcome": "overloaded", "code": "503"}) == 1
     assert server.sample("llmproxy_request_duration_seconds_count", {**labels, "stream": "false"}) is None
     assert server.sample("llmproxy_phase_seconds_total", {**labels, "stream": "false", "phase": "server"}) is None
     assert server.sample("llmproxy_phase_seconds_total", {**labels, "stream": "true", "phase": "decode"}) > 0

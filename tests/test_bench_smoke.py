@@ -45,5 +45,5 @@ def test_streams_scale_smoke(sim):
 
     r = streams_scale.level(32, 1, 6, sim.port)
     assert r["failed"] == 0 and r["records"] == r["records_ok"] == 32 and r["scraped_requests"] == 32
-    assert r["ttft_error_max_ms"] < 50 and r["decode_tps_error_max"] < 0.05
+    assert r["ttft_error_max_ms"] < 50 and r["decode_tps_error_max"] < 0.05 and r["with_decode_rate"] == 32
     assert r["wait_p99_ms"] < 5 and r["chunks_in_window"] > 0 and r["rss_per_stream_kb"] < 1024

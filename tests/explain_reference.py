@@ -12,7 +12,7 @@ from typing import Any
 from proxy.explain import diagnosis, roofline
 from proxy.slo import Objective
 
-PHASES = ("client", "network", "tokenize", "queue", "load", "prefill", "reasoning", "decode", "server", "proxy")
+PHASES = ("client", "wait", "network", "tokenize", "queue", "load", "prefill", "reasoning", "decode", "server", "proxy")  # (wait: the proxy's own pool wait, a phase since records had it)
 MAX_PAIRS_POINTS = 300  # points sampled for the pairwise slopes (45,000 pairs)
 MIN_LEVELS = 3
 MIN_PER_LEVEL = 3

@@ -169,6 +169,18 @@ def test_alerts_fire_and_resolve_from_real_traffic_and_only_those(chain):
     base = {name: f"http://127.0.0.1:{port}/v1" for name, port in ports.items()}
     instance = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
     clients = {name: openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=30) for name, url in base.items()}
+    # Start once Prometheus has scraped every proxy and a LLMProxyMetricsAbsent of its start-up (before
+    # the first scrape; `for` scaled to seconds) has been notified resolved: a fresh machine's first
+    # scrape may come late, and that notification then arrive after the traffic began.
+    def started_up() -> bool:
+        up = [r for r in chain["prom"].query("up")["result"] if r["value"][1] == "1"]
+        return len(up) == len(ports) and (not receiver.seen("LLMProxyMetricsAbsent", "firing")
+                                          or bool(receiver.seen("LLMProxyMetricsAbsent", "resolved")))
+
+    began = time.monotonic()
+    wait_until(started_up, began, 60.0)
+    time.sleep(2.0)  # (two rule evaluations: a notification sent at the first scrape has arrived)
+    wait_until(started_up, began, 60.0)
     t0 = time.monotonic()
 
     def slow_model(at: float) -> None:

@@ -127,41 +127,44 @@ def store_row(record: dict[str, Any]) -> Any:
     return Writer.row(orjson.dumps(record))
 
 
-def test_a_window_starting_inside_an_hour(records):
-    """--since: its first partial hour read from the records, the rest from the aggregates (compacted)."""
+def compacted(records: list[dict[str, Any]]) -> Backend:
+    """The records in a store, every block and hour of theirs compacted."""
     store = of_records(records)
     store.open()
     try:
         store.compact()
     finally:
         store.close()
-    start = max(C.ended_ns(r) for r in records) - int(2.5 * 3600e9)  # two and a half hours before the last: half an hour in
-    assert start % HOUR_NS != 0
-    window = Window(start)
-    inside = [r for r in records if C.ended_ns(r) >= start]
+    return store
+
+
+def answers_as_every_record_since(store: Backend, window: Window, since_ns: int, records: list[dict[str, Any]]) -> None:
+    """The window's explain counts every record that ended since `since_ns`, and answers as they did."""
+    inside = [r for r in records if C.ended_ns(r) >= since_ns]
     new = explain(gather([store], window), objectives=fleet.OBJECTIVES)
     assert sum(g["requests"] for g in new.values()) == len(inside)
     assert differences(new, oracle(inside)) == []
+
+
+def test_a_window_starting_inside_an_hour(records):
+    """--since: its first partial hour read from the records, the rest from the aggregates (compacted)."""
+    store = compacted(records)
+    start = max(C.ended_ns(r) for r in records) - int(2.5 * 3600e9)  # two and a half hours before the last: half an hour in
+    assert start % HOUR_NS != 0
+    window = Window(start)
+    answers_as_every_record_since(store, window, start, records)
 
 
 def test_a_window_of_whole_blocks_answers_from_its_first_block(records):
     """`explain --since`: from the start of the ten-minute block the start falls in, the blocks read
     from the aggregates (compacted) and only the last ones from the records: the answer over every
     record since that block's start."""
-    store = of_records(records)
-    store.open()
-    try:
-        store.compact()
-    finally:
-        store.close()
+    store = compacted(records)
     start = max(C.ended_ns(r) for r in records) - int(2.5 * 3600e9) + 123_456_789
     window = Window(start, whole_blocks=True)
     assert window.since_ns < start and window.since_ns % sql.BLOCK_NS == 0
-    inside = [r for r in records if C.ended_ns(r) >= window.since_ns]
-    assert len(inside) > len([r for r in records if C.ended_ns(r) >= start])  # (the block's head is in)
-    new = explain(gather([store], window), objectives=fleet.OBJECTIVES)
-    assert sum(g["requests"] for g in new.values()) == len(inside)
-    assert differences(new, oracle(inside)) == []
+    assert len([r for r in records if C.ended_ns(r) >= window.since_ns]) > len([r for r in records if C.ended_ns(r) >= start])  # (the block's head is in)
+    answers_as_every_record_since(store, window, window.since_ns, records)
 
 
 def test_percentiles_are_within_one_bucket_of_the_value():

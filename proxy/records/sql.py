@@ -252,13 +252,7 @@ def dirty(ended: Iterable[int], now_ns: int) -> list[tuple[int, int]]:
     """The (span, start) of these records' blocks and hours that a compaction may have read already:
     writing them marks those dirty (under the compaction lock's shared side)."""
     horizon = now_ns - int(LATE_S * 1e9)
-    out = set()
-    for end in ended:
-        for span in (BLOCK_NS, C.HOUR_NS):
-            start = end - end % span
-            if start + span <= horizon:
-                out.add((span, start))
-    return sorted(out)
+    return [(span, start) for span, start in units(ended) if start + span <= horizon]
 
 
 def compact_next(conn: Any, dialect: Dialect, transaction: Callable[[int, int], ContextManager[Any]], now_ns: int,

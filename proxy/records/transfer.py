@@ -96,7 +96,8 @@ def _work(open_store: Callable[[], Backend], chunks: Any, progress: Any, index: 
     writer = Writer(open_store(), "import", BUFFER, 64 * 1024 * 1024, lambda: None, lambda reason, n: dropped.update({reason: n}),
                     batch=BATCH, retain=False)
     recent: collections.deque[int] = collections.deque(maxlen=LAG)
-    lines, rejected, errors, failure = 0, 0, [], ""
+    lines, rejected, failure = 0, 0, ""
+    errors: list[str] = []
     while (chunk := chunks.get()) is not None:
         if failure:
             continue  # (drained, so that the reader never waits on a full queue)
@@ -108,7 +109,8 @@ def _work(open_store: Callable[[], Backend], chunks: Any, progress: Any, index: 
                 row = Writer.row(line)
             except Rejected as exc:
                 rejected += 1
-                errors.append(str(exc))
+                if len(errors) < 3:  # (what is reported: a file of junk lines must not grow a list of its own)
+                    errors.append(str(exc))
                 continue
             writer.put_row(row)
             recent.append(row.ended_ns)

@@ -287,8 +287,9 @@ class PostgresBackend:
                 pass  # (already broken: closing it is all that was left)
             self.conn = None
 
-    # Readers: one connection, kept (a connection costs a password exchange: /ui asks every 2 s), one
-    # reader at a time on it; dropped when it fails, made again by the next read.
+    # Readers: two connections, kept (a connection costs a password exchange: /ui asks every 2 s), one
+    # reader at a time on each (a window's read uses both at once); dropped when one fails, made again
+    # by the next read.
 
     @contextlib.contextmanager
     def _reading(self, second: bool = False) -> Iterator[psycopg.Connection[Any] | None]:

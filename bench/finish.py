@@ -7,7 +7,10 @@
 each observed once; the span processor is a batch processor with an exporter that drops. The SLO
 verdict (when the checkout has one: proxy/slo.py) is timed for a good request (its phases appended to
 the model's usual values) and for a TTFT miss (the blame: each phase against its usual median),
-and its metrics (`observe_slo`) once per request.
+and its metrics (`observe_slo`) once per request. Attribution (when the checkout has it:
+proxy/tenants.py), as the relay does it per request: the tenant from the request's headers with no
+--tenants file, from its key's fingerprint among 20 tenants' keys, from a header entry (the 21st
+source), and the end user from the body's `user`.
 """
 from __future__ import annotations
 
@@ -85,6 +88,24 @@ else:
                   "server.address": "10.0.0.5", "server.port": 8000, "llmproxy.phase": "decode"}
     work_items.append(("the same 12 points through the OTel SDK's Histogram.record (not used)",
                        lambda t: [h.record(0.1, attributes) for h in instruments]))
+try:
+    from proxy.tenants import Tenants, fingerprint, parse as parse_tenants
+except ImportError:  # an older checkout: no tenants
+    pass
+else:
+    keys = [f"sk-proj-{i:02d}-" + "x" * 40 for i in range(20)]
+    tenants = Tenants(config=parse_tenants("tenants:\n" + "".join(f"  - name: t{i}\n    keys: ['{fingerprint(k)}']\n" for i, k in enumerate(keys))
+                                           + "  - name: gw\n    header: {name: x-team, values: [gw]}\nusers:\n  header: x-end-user\n"))
+    none = Tenants()
+    common = [(b"host", b"proxy:8080"), (b"content-type", b"application/json"), (b"user-agent", b"OpenAI/Python 1.99.1"),
+              (b"accept", b"application/json"), (b"x-stainless-lang", b"python")]
+    by_key = common + [(b"authorization", b"Bearer " + keys[13].encode())]
+    by_header = common + [(b"authorization", b"Bearer sk-not-listed"), (b"x-team", b"gw")]
+    body = {"model": "m", "messages": [], "user": "user-1234"}
+    work_items += [("attribution: no --tenants (Tenants.tenant, `unknown`)", lambda t: none.tenant(by_key)),
+                   ("attribution: the tenant from its key's fingerprint, 20 tenants' keys", lambda t: tenants.tenant(by_key)),
+                   ("attribution: the tenant from a header (after a key no fingerprint matches)", lambda t: tenants.tenant(by_header)),
+                   ("attribution: the end user from the body's `user` (Tenants.user)", lambda t: tenants.user(by_key, body))]
 for label, work in work_items:
     began = time.perf_counter()
     for t in records:

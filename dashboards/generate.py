@@ -28,9 +28,10 @@ from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 OUTPUT = Path(__file__).resolve().parent / "grafana" / "llm-latency-breakdown.json"
 DS = DataSourceRef(type_val="prometheus", uid="${datasource}")
 SEL = 'upstream=~"$upstream", model=~"$model", endpoint=~"$endpoint"'
+SEL_T = SEL + ', tenant=~"$tenant"'  # the families with a tenant label (requests, TTFT, decode tok/s, e2e, SLO counters)
 SEL_MODEL = 'upstream=~"$upstream", model=~"$model"'
 UP = 'upstream=~"$upstream"'
-SLO = 'slo=~"$slo", upstream=~"$upstream", model=~"$model"'
+SLO = 'slo=~"$slo", upstream=~"$upstream", model=~"$model", tenant=~"$tenant"'
 RI = "$__rate_interval"
 
 LATENCY_VS_THROUGHPUT = (
@@ -54,6 +55,7 @@ PANEL_FDS = "Open descriptors vs the limit"
 PANEL_POOL = "The proxy's own upstream pool"
 ROW_SLO = "Service-level objectives"
 PANEL_SLO_MISSES = "SLO misses by blamed phase"
+PANEL_TENANT_BUDGET = "Budget spent by tenant"
 MODEL = "{{ $labels.model }}"
 UPSTREAM = "{{ $labels.upstream }}"
 INSTANCE = "{{ $labels.instance }}"
@@ -112,6 +114,7 @@ def build() -> dict:
     for name, source in (("upstream", "llmproxy_requests_total, upstream"),
                          ("model", 'llmproxy_requests_total{upstream=~"$upstream"}, model'),
                          ("endpoint", 'llmproxy_requests_total{upstream=~"$upstream"}, endpoint'),
+                         ("tenant", 'llmproxy_requests_total{upstream=~"$upstream"}, tenant'),
                          ("slo", "llmproxy_slo_target, slo")):
         d = d.with_variable(QueryVariable(name).label(name.capitalize()).datasource(DS).query(f"label_values({source})")
                             .multi(True).include_all(True).all_value(".*").refresh(VariableRefresh.ON_TIME_RANGE_CHANGED))
@@ -129,13 +132,13 @@ def build() -> dict:
         12, 1, stack=StackingMode.NORMAL))
 
     d = d.with_row(Row("Latency"))
-    d = d.with_panel(ts("Time to first token", "s", quantiles("llmproxy_time_to_first_token_seconds", SEL), 0, 10))
-    d = d.with_panel(ts("End-to-end duration", "s", quantiles("llmproxy_request_duration_seconds", SEL), 12, 10))
+    d = d.with_panel(ts("Time to first token", "s", quantiles("llmproxy_time_to_first_token_seconds", SEL_T), 0, 10))
+    d = d.with_panel(ts("End-to-end duration", "s", quantiles("llmproxy_request_duration_seconds", SEL_T), 12, 10))
 
     d = d.with_row(Row("Latency vs throughput"))
     d = d.with_panel(ts(PANEL_DECODE, "short", [
-        q(f"histogram_quantile(0.5, sum by (le) (rate(llmproxy_decode_tokens_per_second_bucket{{{SEL}}}[{RI}])))", "per request p50 (tok/s)", "A"),
-        q(f"histogram_quantile(0.1, sum by (le) (rate(llmproxy_decode_tokens_per_second_bucket{{{SEL}}}[{RI}])))", "per request p10 (tok/s)", "B"),
+        q(f"histogram_quantile(0.5, sum by (le) (rate(llmproxy_decode_tokens_per_second_bucket{{{SEL_T}}}[{RI}])))", "per request p50 (tok/s)", "A"),
+        q(f"histogram_quantile(0.1, sum by (le) (rate(llmproxy_decode_tokens_per_second_bucket{{{SEL_T}}}[{RI}])))", "per request p10 (tok/s)", "B"),
         q(f'sum(rate(llmproxy_tokens_total{{{SEL_MODEL}, kind="completion"}}[{RI}]))', "aggregate output (tok/s)", "C"),
     ], 0, 19, w=24, description=LATENCY_VS_THROUGHPUT))
     itl = (heatmap.Panel().title("Inter-token latency").datasource(DS).grid_pos(GridPos(h=8, w=8, x=0, y=27)).unit("s")
@@ -175,7 +178,7 @@ def build() -> dict:
 
     d = d.with_row(Row("Requests and the proxy itself"))
     d = d.with_panel(ts(PANEL_OUTCOMES, "reqps", [
-        q(f"sum by (outcome, code) (rate(llmproxy_requests_total{{{SEL}}}[{RI}]))", "{{outcome}} {{code}}", "A")], 0, 54, w=8))
+        q(f"sum by (outcome, code) (rate(llmproxy_requests_total{{{SEL_T}}}[{RI}]))", "{{outcome}} {{code}}", "A")], 0, 54, w=8))
     d = d.with_panel(stat.Panel().title("In flight").datasource(DS).grid_pos(GridPos(h=8, w=4, x=8, y=54))
                      .with_target(q(f"sum(llmproxy_requests_in_flight{{{UP}}})", "in flight", "A")))
     d = d.with_panel(ts(PANEL_OVERHEAD, "s", quantiles("llmproxy_proxy_overhead_seconds", 'upstream=~"$upstream", endpoint=~"$endpoint"')[::2], 12, 54, w=6,
@@ -197,7 +200,7 @@ def build() -> dict:
         description="Each request holds a client and an upstream socket. The proxy raises its soft RLIMIT_NOFILE to the hard one at start; "
                     "near the limit, new requests get 503 proxy_overloaded (reason descriptors)."))
     d = d.with_panel(ts("Requests by API", "reqps", [
-        q(f"sum by (api, endpoint) (rate(llmproxy_requests_total{{{SEL}}}[{RI}]))", "{{api}} {{endpoint}}", "A")], 12, 62, w=6,
+        q(f"sum by (api, endpoint) (rate(llmproxy_requests_total{{{SEL_T}}}[{RI}]))", "{{api}} {{endpoint}}", "A")], 12, 62, w=6,
         description="Which wire API the applications call: openai (chat, completions, embeddings, responses), azure (the same "
                     "operations on Azure OpenAI's paths), anthropic (messages), other (any other path, relayed untimed). Every "
                     "latency panel above measures them with the same definitions; filter by endpoint (messages is Anthropic's)."))
@@ -220,9 +223,9 @@ def build() -> dict:
         table.Panel().title("Per model").datasource(DS).grid_pos(GridPos(h=8, w=24, x=0, y=79))
         .with_transformation(DataTransformerConfig(id_val="merge", options={}))
         .with_transformation(DataTransformerConfig(id_val="organize", options={"excludeByName": {"Time": True}}))
-        .with_target(q(f"sum by (model) (increase(llmproxy_requests_total{{{SEL}}}[$__range]))", "requests", "A", instant=True))
-        .with_target(q(f"histogram_quantile(0.95, sum by (model, le) (rate(llmproxy_time_to_first_token_seconds_bucket{{{SEL}}}[$__range])))", "ttft p95", "B", instant=True))
-        .with_target(q(f"histogram_quantile(0.5, sum by (model, le) (rate(llmproxy_decode_tokens_per_second_bucket{{{SEL}}}[$__range])))", "decode p50", "C", instant=True))
+        .with_target(q(f"sum by (model) (increase(llmproxy_requests_total{{{SEL_T}}}[$__range]))", "requests", "A", instant=True))
+        .with_target(q(f"histogram_quantile(0.95, sum by (model, le) (rate(llmproxy_time_to_first_token_seconds_bucket{{{SEL_T}}}[$__range])))", "ttft p95", "B", instant=True))
+        .with_target(q(f"histogram_quantile(0.5, sum by (model, le) (rate(llmproxy_decode_tokens_per_second_bucket{{{SEL_T}}}[$__range])))", "decode p50", "C", instant=True))
         .with_target(q(f'sum by (model) (increase(llmproxy_tokens_total{{{SEL_MODEL}, kind="prompt"}}[$__range]))', "tokens in", "D", instant=True))
         .with_target(q(f'sum by (model) (increase(llmproxy_tokens_total{{{SEL_MODEL}, kind="completion"}}[$__range]))', "tokens out", "E", instant=True))
     )
@@ -260,6 +263,22 @@ def build() -> dict:
         description="Which phase broke each miss: for ttft (and e2e) the phase furthest above its usual value for the model "
                     "(its median over recent good requests), for tpot decode, for error the outcome. Queue: the engine is "
                     "saturated; prefill: long prompts; reasoning: hidden reasoning; client: slow uploads."))
+    # Whose traffic spends each budget: a tenant's bad requests over all of its objective's judged requests (every
+    # tenant's) and the budget, so the tenants' lines stack up to the objective's own burn rate.
+    everyone = 'llmproxy_slo_requests_total{slo=~"$slo", upstream=~"$upstream", model=~"$model"}'
+    share = lambda window: (f"sum by (slo, tenant) (rate({bad}[{window}])) / on (slo) group_left () "  # noqa: E731
+                            f"(sum by (slo) (rate({everyone}[{window}])) * ({budget}))")
+    d = d.with_panel(ts(PANEL_TENANT_BUDGET, "short", [q(share("1h"), "{{slo}}: {{tenant}}", "A")], 0, 104, w=16, stack=StackingMode.NORMAL,
+        description="Each tenant's part of its objective's burn rate over the last hour (--tenants: the tenants the file names, "
+                    "unknown, and other for the rest): its bad requests / all of the objective's judged requests / the budget "
+                    "(1 - target). Stacked, the tenants add up to the objective's burn rate (1: the budget spent exactly over its "
+                    "window). `llm-latency-proxy explain --by tenant` says what each one's misses were blamed on."))
+    d = d.with_panel(table.Panel().title("Requests and TTFT by tenant (selected range)").datasource(DS).grid_pos(GridPos(h=8, w=8, x=16, y=104))
+                     .with_transformation(DataTransformerConfig(id_val="merge", options={}))
+                     .with_transformation(DataTransformerConfig(id_val="organize", options={"excludeByName": {"Time": True}}))
+                     .with_target(q(f"sum by (tenant) (increase(llmproxy_requests_total{{{SEL_T}}}[$__range]))", "requests", "A", instant=True))
+                     .with_target(q(f"histogram_quantile(0.95, sum by (tenant, le) (rate(llmproxy_time_to_first_token_seconds_bucket{{{SEL_T}}}[$__range])))",
+                                    "ttft p95", "B", instant=True)))
     return json.loads(json.dumps(d.build(), cls=JSONEncoder))
 
 

@@ -37,6 +37,7 @@ from .tokens import Tokenizer
 from .tracing import Tracing, build_tracer_provider
 from .routes import Router
 from .slo import SLOs
+from .tenants import Tenants
 from .upstream import Upstream
 
 log = logging.getLogger("llmproxy")
@@ -58,7 +59,8 @@ class ProxyApp:
     ) -> None:
         self.settings = settings
         multiprocess = multiprocess_enabled()
-        self.metrics = ProxyMetrics(registry or CollectorRegistry(), settings.max_models, multiprocess, settings.max_label_sets)
+        self.metrics = ProxyMetrics(registry or CollectorRegistry(), settings.max_models, multiprocess, settings.max_label_sets,
+                                    settings.tenant_expiry)
         self.offload = Offload()
         if tracer_provider is None:
             tracer_provider = build_tracer_provider(settings, self.metrics.telemetry_error, self.offload)
@@ -66,9 +68,13 @@ class ProxyApp:
         if tokenizer is None and settings.tokenize:
             tokenizer = Tokenizer(settings.default_encoding)
         self.slos = SLOs(settings.slo)  # --slo: a broken file is refused here, at start, with its line
+        self.tenants = Tenants(settings.tenants)  # --tenants: likewise
         self.metrics.slo_targets({o.name: o.target for o in self.slos.objectives})
+        self.metrics.tenant_label = self.tenants.label
         # OTLP metrics, beside /metrics, when an OTLP endpoint is configured (a test passes its own).
         self.meters = meters if meters is not None else build_meters(settings, self.metrics.models, self.metrics.telemetry_error)
+        if self.meters is not None:
+            self.meters.tenant_label = self.tenants.label
         self.telemetry = Telemetry(settings, self.metrics, Tracing(tracer_provider, settings), tokenizer, self.offload, self.slos, self.meters)
         # In each worker, before its listener and its upstream pools exist (their size comes from it).
         self.open_files = raise_open_files_limit(settings)[1]
@@ -104,7 +110,7 @@ class ProxyApp:
         return out
 
     def reload(self) -> None:
-        """SIGHUP: re-read --routes and --slo; a broken file is refused and the old one keeps serving."""
+        """SIGHUP: re-read --routes, --slo and --tenants; a broken file is refused and the old one keeps serving."""
         try:
             self.router.reload()
         except ValueError as exc:
@@ -114,6 +120,10 @@ class ProxyApp:
             self.metrics.slo_targets({o.name: o.target for o in self.slos.objectives})
         except ValueError as exc:
             log.error("objectives not reloaded, the old ones keep serving: %s", exc)
+        try:
+            self.tenants.reload()
+        except ValueError as exc:
+            log.error("tenants not reloaded, the old ones keep serving: %s", exc)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -144,11 +154,11 @@ class ProxyApp:
     async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
         self.metrics.child("llmproxy_max_fds").set(self.open_files)
         watcher = asyncio.create_task(self._sample_every_second()) if self.metrics.multiprocess else None
-        if self.settings.routes or self.settings.slo:
+        if self.settings.routes or self.settings.slo or self.settings.tenants:
             try:  # (only the main thread of a process may; a test serving the app in a thread cannot)
                 asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.reload)
             except (RuntimeError, ValueError):
-                log.warning("SIGHUP cannot reload routes or objectives here (not the main thread)")
+                log.warning("SIGHUP cannot reload routes, objectives or tenants here (not the main thread)")
         count_pause = self.metrics.accept_paused(self.settings.upstream_label)
         loop = asyncio.get_running_loop()
         if isinstance(loop, ProxyLoop):  # (a test may serve the app on another loop)
@@ -243,6 +253,7 @@ class ProxyApp:
 
         @app.get("/metrics")
         async def scrape(request: Request) -> Response:
+            metrics.expire_tenants()  # (here, on the loop that observes: never beside an observation)
             # In a thread: rendering thousands of series must not hold the event loop (and the
             # streams on it) for the whole render; the GIL still switches every 5 ms.
             body, content_type = await asyncio.to_thread(scrape_now, request.headers.get("accept", ""))
@@ -255,12 +266,12 @@ class ProxyApp:
 
         @app.get("/llmproxy/requests")
         async def requests(limit: int = 100, model: str = "", upstream: str = "", outcome: str = "", api: str = "", slo: str = "",
-                           verdict: str = "", instance: str = "", min_ttft: float = 0.0) -> Any:
+                           verdict: str = "", instance: str = "", min_ttft: float = 0.0, tenant: str = "", user: str = "") -> Any:
             """The most recent per-request records, newest last: every worker's (with PostgreSQL, every
             replica's), from the records store (this worker's in memory when records are off or the
             store unreadable). `verdict`: good or miss (its SLO verdict); `instance`: one replica;
-            `min_ttft`: seconds."""
-            filters = records.Filters(model, upstream, outcome, api, slo, verdict, instance, min_ttft)
+            `min_ttft`: seconds; `tenant` and `user`: who sent it (--tenants)."""
+            filters = records.Filters(model, upstream, outcome, api, slo, verdict, instance, min_ttft, tenant, user)
             store = telemetry.records_sink.store
             if store is not None:
                 await asyncio.to_thread(store.flush)
@@ -274,14 +285,14 @@ class ProxyApp:
 
         @app.get("/llmproxy/summary")
         async def summary(since: float = 3600.0, model: str = "", upstream: str = "", outcome: str = "", api: str = "", slo: str = "",
-                          verdict: str = "", instance: str = "") -> Any:
+                          verdict: str = "", instance: str = "", tenant: str = "") -> Any:
             """What the records store counted over the last `since` seconds for these filters (/ui's
             summary line): requests by outcome, TTFT and end-to-end percentiles, SLO attainment; from
             the aggregates, never from the records (null when records are off)."""
             store = telemetry.records_sink.store
             if store is None:
                 return {"requests": None}
-            filters = records.Filters(model, upstream, outcome, api, slo, verdict, instance)
+            filters = records.Filters(model, upstream, outcome, api, slo, verdict, instance, tenant=tenant)
             try:
                 return await asyncio.to_thread(summarise, store.backend, since, filters)
             except Exception:  # noqa: BLE001 - unreadable: counted

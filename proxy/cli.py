@@ -24,6 +24,10 @@ def serve(args: argparse.Namespace) -> int:
         from .slo import load as load_objectives
 
         load_objectives(settings.slo)
+    if settings.tenants:
+        from .tenants import load as load_tenants
+
+        load_tenants(settings.tenants)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from .server import run
 
@@ -105,14 +109,24 @@ def explain(args: argparse.Namespace) -> int:
     stores = _stores(args, paths)
     # --since from the start of the ten-minute block it falls in: every record before the last block is
     # read from the aggregates, none one by one (a day of a fleet in seconds; the window is 0-10 min longer).
-    window = Window(time.time_ns() - int(since * 1e9) if since else 0, (("model", args.model),) if args.model else (), whole_blocks=True)
-    groups = gather(stores, window)
+    filters = (("model", args.model),) if args.model else ()
+    window = Window(time.time_ns() - int(since * 1e9) if since else 0, filters + ((("tenant", args.tenant),) if args.tenant else ()),
+                    whole_blocks=True)
     objectives: tuple[Objective, ...] = ()
     slo_path = args.slo or os.environ.get("LLMPROXY_SLO", "")
     if slo_path:
         from .slo import load as load_objectives
 
         objectives = load_objectives(slo_path)
+    if args.by == "tenant":  # whose requests are slow (ledger.py): from the rollup alone
+        from . import ledger
+
+        tenants = ledger.report(ledger.gather(stores, window), objectives)
+        print(to_json(tenants) if args.json else ledger.render(tenants))
+        return 0
+    if args.tenant:
+        raise ValueError("--tenant needs --by tenant (the fits are per model and upstream, over every tenant)")
+    groups = gather(stores, window)
     report = analyse(groups, hardware, objectives)
     if args.json:
         print(to_json(report))
@@ -160,12 +174,23 @@ def rules(args: argparse.Namespace) -> int:
     return 0
 
 
+def tenants(args: argparse.Namespace) -> int:
+    from .tenants import main as tenants_main
+
+    return tenants_main([args.tenants_command])
+
+
 def load(args: argparse.Namespace) -> int:
     import asyncio
 
-    from .load import run_load
+    from .load import SHAPES, run_load
 
-    result = asyncio.run(run_load(args.base_url, args.concurrency, args.duration, args.requests, seed=args.seed))
+    keys = [k.strip() for k in args.keys.split(",") if k.strip()] if args.keys else []
+    shapes = [s.strip() for s in args.shapes.split(",") if s.strip()] if args.shapes else []
+    if shapes and (len(shapes) != len(keys) or set(shapes) - set(SHAPES)):
+        raise ValueError(f"--shapes: one per key in --keys, each one of {', '.join(SHAPES)}")
+    result = asyncio.run(run_load(args.base_url, args.concurrency, args.duration, args.requests, seed=args.seed, keys=keys,
+                                mixes=[SHAPES[s] for s in shapes] or None, users=args.users))
     print(f"sent {result.sent}, statuses {dict(sorted(result.statuses.items()))}, transport failures {result.failures}")
     return 0
 
@@ -210,6 +235,9 @@ def parser() -> argparse.ArgumentParser:
     p_explain.add_argument("--db-password-file", default="", help="file holding the PostgreSQL password (default: $LLMPROXY_RECORDS_DB_PASSWORD_FILE)")
     p_explain.add_argument("--since", default="", help="only requests that ended in this window: 90s, 30m, 1h, 2d")
     p_explain.add_argument("--model", default="")
+    p_explain.add_argument("--by", choices=["model", "tenant"], default="model",
+                           help="model: per model and upstream, the fits (default); tenant: per tenant, attainment, budget spent, blame and the split")
+    p_explain.add_argument("--tenant", default="", help="with --by tenant: only this tenant")
     p_explain.add_argument("--json", action="store_true", help="the whole report as JSON")
     p_explain.add_argument("--plot", default="", help="write the fits as a PNG here (needs matplotlib: the [plot] extra)")
     p_explain.add_argument("--roofline", action="store_true", help="compare decode with the bandwidth-bound ceiling (needs --params, --bandwidth)")
@@ -237,12 +265,19 @@ def parser() -> argparse.ArgumentParser:
     p_import.add_argument("--db-password-file", default="", help="file holding the PostgreSQL password (default: $LLMPROXY_RECORDS_DB_PASSWORD_FILE)")
     p_import.set_defaults(func=records_import)
 
+    p_tenants = commands.add_parser("tenants", help="the tenants file's helpers: `fingerprint` prints each key on stdin as its fingerprint")
+    p_tenants.add_argument("tenants_command", choices=["fingerprint"])
+    p_tenants.set_defaults(func=tenants)
+
     p_load = commands.add_parser("load", help="send a bounded traffic mix (chat/completions, stream or not, some errors)")
     p_load.add_argument("--base-url", default="http://127.0.0.1:8080/v1")
     p_load.add_argument("--concurrency", type=int, default=4)
     p_load.add_argument("--duration", type=float, default=30.0, help="seconds (the loop always stops)")
     p_load.add_argument("--requests", type=int, default=None, help="stop after this many requests")
     p_load.add_argument("--seed", type=int, default=0)
+    p_load.add_argument("--shapes", default="", help="with --keys: each key's traffic, comma-separated: default, long-prompts, long-answers")
+    p_load.add_argument("--users", type=int, default=0, help="each request names one of this many end users (the API's own `user` field)")
+    p_load.add_argument("--keys", default="", help="comma-separated API keys: each request carries one in turn (tenants told apart by key)")
     p_load.set_defaults(func=load)
     return root
 

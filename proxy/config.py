@@ -44,6 +44,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("provider_name", str, "", "gen_ai.provider.name on spans (default: openai for *.openai.com, else openai_compatible)"),
     Option("routes", str, "", "YAML routing file: model names (exact or glob) to upstreams, each with its own URL, key, timeouts and pool (see proxy/routes.py); reloaded on SIGHUP; empty: every model goes to --upstream"),
     Option("slo", str, "", "YAML file of service-level objectives: per model (exact or glob), TTFT, TPOT and end-to-end thresholds and a target (see proxy/slo.py); every generation request gets a verdict and a blamed phase; reloaded on SIGHUP; empty: none"),
+    Option("tenants", str, "", "YAML file attributing each request to a tenant (by its API key's fingerprint or a header) and an end user (a header, or the API's own `user` fields) (see proxy/tenants.py); reloaded on SIGHUP; empty: every request's tenant is `unknown`"),
+    Option("tenant_expiry", float, 3600.0, "seconds after a tenant's last request before its metric series are removed (0: never); with --workers > 1 they stay until the proxy restarts"),
     Option("connect_timeout", float, 10.0, "seconds to open a connection to the upstream (DNS+TCP+TLS)"),
     Option("first_token_timeout", float, 600.0, "seconds from sending a request to its first content chunk, enforced after the headers too: comments (`: keep-alive`) and role-only chunks are not tokens (for non-streaming requests, the whole response)"),
     Option("read_timeout", float, 120.0, "seconds the upstream may stay silent between chunks once the first content chunk arrived; also how long a client may stop reading before it is cut (outcome client_slow)"),
@@ -71,7 +73,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("tokenize", bool, True, "count prompt tokens with the tokenizer off the critical path (the tokenize phase)"),
     Option("default_encoding", str, "o200k_base", "tiktoken encoding for models tiktoken does not know"),
     Option("max_models", int, 100, "distinct model label values before later ones become `other`"),
-    Option("max_label_sets", int, 400, "distinct (model, upstream, endpoint, stream) label sets of the latency metrics before a new one's model becomes `other`: bounds one scrape (about 20,000 series, 3 MB) whatever mix of APIs and models"),
+    Option("max_label_sets", int, 400, "distinct (model, upstream, endpoint, stream, tenant) label sets of the per-request metrics before a new one's model becomes `other` (then its tenant, past a reserve of a sixteenth): bounds one scrape (about 20,000 series, 3 MB) whatever mix of APIs, models and tenants"),
     Option("token_spans", str, "offsets", "per-chunk stamps on the decode span: offsets (arrays of µs offsets, tokens and choices per chunk: the default, near free), events (a span event per chunk), spans (a span per chunk) or off; costs in bench/RESULTS.md"),
     Option("otlp_endpoint", str, "", "OTLP/HTTP endpoint for spans (default: the OTEL_EXPORTER_OTLP_* variables)"),
     Option("service_name", str, "", "service.name of the spans (default: OTEL_SERVICE_NAME or llm-latency-proxy)"),
@@ -114,6 +116,8 @@ class Settings:
     provider_name: str = ""
     routes: str = ""
     slo: str = ""
+    tenants: str = ""
+    tenant_expiry: float = 3600.0
     connect_timeout: float = 10.0
     first_token_timeout: float = 600.0
     read_timeout: float = 120.0
@@ -239,6 +243,33 @@ def _resolve_key(env_name: str, environ: Mapping[str, str] | None) -> str:
     if not key:
         raise ValueError(f"--upstream-api-key-env names {env_name!r}, which is empty or unset")
     return key
+
+
+def parse_yaml(text: str, where: str) -> Any:
+    """A configuration file's YAML (--slo, --tenants), each mapping with its `__line__`, so that a
+    broken entry is refused with where it is; broken YAML raises ValueError naming the line."""
+    import yaml
+
+    class LineLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+            mapping = super().construct_mapping(node, deep=deep)
+            mapping["__line__"] = node.start_mark.line + 1
+            return mapping
+
+    try:
+        return yaml.load(text, Loader=LineLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        raise ValueError(f"{where}{f', line {mark.line + 1}' if mark is not None else ''}: {getattr(exc, 'problem', None) or exc}") from None
+
+
+def read_text(path: str, where: str) -> str:
+    """A configuration file's text; ValueError (`where`: what the file is) when it cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read()
+    except OSError as exc:
+        raise ValueError(f"{where}: {exc.strerror or exc}") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

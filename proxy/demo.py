@@ -12,6 +12,9 @@ TPOT and e2e thresholds (long prompts and hidden reasoning miss TTFT, blamed on 
 a batching engine (the simulator's law: per token = 8 + 2 ms x streams decoding) driven at 1 to
 12 concurrent streams, whose capacity at a 30 ms TPOT objective is 11 streams: the SLO table
 shows attainment, goodput, misses by blamed phase and the capacity `explain` reads off the fit.
+Then two applications, each with its own API key (`--tenants`: known only by the keys'
+fingerprints), share the proxy: `search` sends long prompts, `batch` asks for long answers, and
+`explain --by tenant` tells them apart (whose misses are blamed on prefill, whose outputs are long).
 """
 from __future__ import annotations
 
@@ -165,6 +168,35 @@ OBJECTIVES = """objectives:
     target: 0.95
 """
 BATCH_ALPHA_MS, BATCH_BETA_MS, BATCH_LEVELS, BATCH_TOKENS = 8.0, 2.0, (1, 2, 4, 8, 12), 30
+# Two applications behind one proxy, each with its own key: (tenant, key, prompt tokens, output tokens).
+TENANTS = (("search", "demo-key-search-app", 8_000, 20), ("batch", "demo-key-batch-app", 100, 600))
+
+
+def tenants_file() -> str:
+    """The demo's --tenants file: the two applications by their keys' fingerprints (never the keys)."""
+    from .tenants import fingerprint
+
+    return "tenants:\n" + "".join(f"  - name: {name}\n    keys: [\"{fingerprint(key)}\"]\n" for name, key, _, _ in TENANTS)
+
+
+def run_tenants(proxy_url: str, repeats: int) -> None:
+    """Each application's requests at once (threads), through the openai client with its own key and end users."""
+    import threading
+
+    import openai
+
+    def app(key: str, prompt: int, output: int, user: str) -> None:
+        client = openai.OpenAI(base_url=f"{proxy_url}/v1", api_key=key, max_retries=0)
+        for _chunk in client.chat.completions.create(model="sim-7b", messages=[{"role": "user", "content": prompt_of(prompt)}],
+                                                     max_tokens=output, stream=True, user=user):
+            pass
+
+    threads = [threading.Thread(target=app, args=(key, prompt, output, f"{name}-user-{i}"))
+               for name, key, prompt, output in TENANTS for i in range(repeats)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
 
 
 def run_batching(proxy_url: str, sim_url: str, repeats: int) -> None:
@@ -318,11 +350,14 @@ def run_demo(repeats: int = 3, output_tokens: int = 100) -> int:
     print(f"simulator on {sim_url} (prefill {PREFILL_TPS:.0f} tok/s, decode {DECODE_TPS:.0f} tok/s); proxy on {proxy_url}")
     workdir = tempfile.mkdtemp(prefix="llmproxy-demo-")
     records_db, slo_path = os.path.join(workdir, "records.sqlite"), os.path.join(workdir, "slo.yaml")
+    tenants_path = os.path.join(workdir, "tenants.yaml")
     with open(slo_path, "w", encoding="utf-8") as handle:
         handle.write(OBJECTIVES)
+    with open(tenants_path, "w", encoding="utf-8") as handle:
+        handle.write(tenants_file())
     with started(["simulate", "--port", str(sim_port)], f"{sim_url}/health"), \
-         started(["serve", "--upstream", f"{sim_url}/v1", "--port", str(proxy_port), "--records-db", records_db, "--slo", slo_path],
-                 f"{proxy_url}/healthz"):
+         started(["serve", "--upstream", f"{sim_url}/v1", "--port", str(proxy_port), "--records-db", records_db, "--slo", slo_path,
+                  "--tenants", tenants_path], f"{proxy_url}/healthz"):
         print(f"live waterfall of every request while the demo runs: {proxy_url}/ui")
         run_cases(proxy_url, repeats, output_tokens)
         run_reasoning(proxy_url, repeats, output_tokens)
@@ -330,6 +365,7 @@ def run_demo(repeats: int = 3, output_tokens: int = 100) -> int:
         total = (len(CASES) + len(REASONING) + len(APIS)) * repeats
         records = httpx.get(f"{proxy_url}/llmproxy/requests", params={"limit": total}).json()
         run_batching(proxy_url, sim_url, repeats)
+        run_tenants(proxy_url, repeats)
     cases, reasoning = len(CASES) * repeats, len(REASONING) * repeats
     print_table(summarise(records[:cases], repeats, output_tokens))
     print_reasoning(reasoning_rows(records[cases : cases + reasoning], repeats), output_tokens)
@@ -343,5 +379,10 @@ def run_demo(repeats: int = 3, output_tokens: int = 100) -> int:
     print_slo(store, objectives)
     print(f"\nllm-latency-proxy explain --db {records_db} --slo {slo_path}   (the demo's traffic, from its records database)\n")
     print(render(explain(gather([store]), objectives=objectives)))
+    from . import ledger
+
+    print(f"llm-latency-proxy explain --db {records_db} --slo {slo_path} --by tenant   (whose requests are slow: `search` and `batch` "
+          "each with its own key, the rest `unknown`)\n")
+    print(ledger.render(ledger.report(ledger.gather([store]), objectives)))
     print(f"With a proxy running, {proxy_url.rsplit(':', 1)[0]}:PORT/ui shows every request as it finishes (the demo's was {proxy_url}/ui).")
     return 0

@@ -3,8 +3,10 @@
 Each of `concurrency` workers loops until `duration_s` passes or `requests` were sent: chat or
 completions or the Responses API, streaming or not, prompt lengths from short to long, two model names, and a small
 share of injected upstream errors (the simulator's `x-sim-error-status`), and the production shapes
-of prompt caching and hidden reasoning. It talks raw HTTP with
-httpx so the load generator stays cheap on a small machine.
+of prompt caching and hidden reasoning. With `keys`, request i carries key i mod len(keys) (and
+an end user `user-<n>` in the API's own field): tenants told apart by their keys (tenants.py), as
+two applications would be; `mixes` gives each key its own traffic. It talks raw HTTP with httpx
+so the load generator stays cheap on a small machine.
 """
 from __future__ import annotations
 
@@ -38,6 +40,11 @@ class Mix:
     hidden_reasoning_share: float = 0.1
 
 
+# Named mixes (`load --shapes`, one per key): two applications with different traffic, as `make demo` shows them.
+SHAPES = {"default": Mix(), "long-prompts": Mix(prompt_tokens=(4000, 8000), max_tokens=(10, 20)),
+          "long-answers": Mix(prompt_tokens=(50, 200), max_tokens=(300, 600))}
+
+
 @dataclass
 class LoadResult:
     sent: int = 0
@@ -49,7 +56,7 @@ def _prompt(tokens: int) -> str:
     return "".join(WORDS[i % len(WORDS)] for i in range(tokens))
 
 
-async def _one(client: httpx.AsyncClient, rng: random.Random, mix: Mix, result: LoadResult) -> None:
+async def _one(client: httpx.AsyncClient, rng: random.Random, mix: Mix, result: LoadResult, key: str = "", users: int = 0) -> None:
     api = rng.random()
     responses = api < mix.responses_share
     messages = not responses and api < mix.responses_share + mix.messages_share
@@ -72,6 +79,17 @@ async def _one(client: httpx.AsyncClient, rng: random.Random, mix: Mix, result: 
     elif not (gemini or ollama):
         body["prompt"] = text
     headers = dict(mix.extra_headers)
+    if key:
+        headers["authorization"] = f"Bearer {key}"
+        headers["x-api-key"] = key  # (Anthropic's header: the simulator takes either)
+    if users:
+        user = f"user-{rng.randrange(users)}"
+        if messages:
+            body["metadata"] = {"user_id": user}
+        elif not (gemini or ollama):
+            body["user"] = user
+        else:
+            headers["x-end-user"] = user
     prompt_tokens = len(text) // 4 if isinstance(text, str) else 0
     shape = rng.random()
     if shape < mix.cached_share:
@@ -95,7 +113,10 @@ async def _one(client: httpx.AsyncClient, rng: random.Random, mix: Mix, result: 
 
 
 async def run_load(base_url: str, concurrency: int = 4, duration_s: float = 10.0, requests: int | None = None,
-                   mix: Mix | None = None, seed: int = 0, api_key: str = "load-test-key") -> LoadResult:
+                   mix: Mix | None = None, seed: int = 0, api_key: str = "load-test-key", keys: list[str] | None = None,
+                   mixes: list[Mix] | None = None, users: int = 0) -> LoadResult:
+    """`keys`: each request carries the next one (and with `mixes`, that key's mix); `users`: each
+    request names one of this many end users."""
     mix = mix or Mix()
     result = LoadResult()
     deadline = time.monotonic() + duration_s
@@ -105,7 +126,8 @@ async def run_load(base_url: str, concurrency: int = 4, duration_s: float = 10.0
         async def worker(index: int) -> None:
             rng = random.Random(seed * 1000 + index)
             while time.monotonic() < deadline and (requests is None or result.sent < requests):
-                await _one(client, rng, mix, result)
+                which = result.sent % len(keys) if keys else 0
+                await _one(client, rng, mixes[which] if mixes else mix, result, keys[which] if keys else "", users)
 
         await asyncio.gather(*(worker(i) for i in range(concurrency)))
     return result

@@ -95,6 +95,7 @@ class Meters:
     def __init__(self, settings: Settings, models: ModelLabels, exporter: MetricExporter | None = None,
                  on_error: Callable[[str], None] = lambda component: None, interval_s: float | None = None) -> None:
         self.settings, self.models, self.on_error = settings, models, on_error
+        self.tenant_label: Callable[[str], str] = lambda tenant: tenant  # the app sets its Tenants.label (as the Prometheus labels')
         self.exporter = exporter
         # histogram: [count, sum, min, max, bucket counts...]; counter: [value]
         self._points: dict[tuple[str, Attributes], list[Any]] = {}
@@ -140,25 +141,26 @@ class Meters:
         ok = t.outcome == "ok"
         if not ok:  # the class of error: the HTTP status when there is one, else the outcome
             common += (("error.type", str(t.status_code) if t.status_code >= 400 else t.outcome),)
+        tenanted = common + (("llmproxy.tenant", self.tenant_label(t.tenant)),)
         with self._lock:
-            self._histogram("gen_ai.client.operation.duration", b.e2e_s, common)
+            self._histogram("gen_ai.client.operation.duration", b.e2e_s, tenanted)
             for kind, count in (("input", t.prompt_tokens), ("output", t.completion_tokens)):
                 if count is not None:
                     self._histogram("gen_ai.client.token.usage", count, common + (("gen_ai.token.type", kind),))
             if verdict is not None and verdict.good is not None:
-                judged: Attributes = (("llmproxy.slo", verdict.slo), ("gen_ai.request.model", model))
+                judged: Attributes = (("llmproxy.slo", verdict.slo), ("gen_ai.request.model", model), tenanted[-1])
                 self._add("llmproxy.slo.requests", 1, judged + (("llmproxy.slo.result", "good" if verdict.good else "bad"),))
                 for objective, blamed in verdict.blame.items():
                     self._add("llmproxy.slo.misses", 1, judged + (("llmproxy.slo.objective", objective), ("llmproxy.slo.blame", blamed)))
             if not ok:
                 return
             if b.ttft_s is not None:
-                self._histogram("gen_ai.server.time_to_first_token", b.ttft_s, common)
+                self._histogram("gen_ai.server.time_to_first_token", b.ttft_s, tenanted)
                 per_token = tpot_s(t, b)
                 if per_token is not None:
                     self._histogram("gen_ai.server.time_per_output_token", per_token, common)
             if b.decode_tokens_per_second is not None:
-                self._histogram("llmproxy.decode.rate", b.decode_tokens_per_second, common)
+                self._histogram("llmproxy.decode.rate", b.decode_tokens_per_second, tenanted)
             for phase, seconds in b.phases.items():
                 self._histogram("llmproxy.phase.duration", max(0.0, seconds), common + (("llmproxy.phase", phase),))
 

@@ -7,9 +7,10 @@ per label set, so observing a request does no label validation.
 from __future__ import annotations
 
 import os
+import time
 from bisect import bisect_left
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary, disable_created_metrics
 from prometheus_client.exposition import choose_encoder, generate_latest
@@ -20,6 +21,9 @@ from .slo import BEFORE_FIRST_TOKEN, FAILED, Verdict
 from .timing import PHASES, Breakdown, RequestTiming
 
 BASE = ("model", "upstream", "endpoint", "stream")
+# The families that tell callers apart (a tenant the --tenants file names, `unknown` or `other`): the
+# request counter, the user-facing latency histograms and the SLO counters. Never the end user.
+TENANTED = BASE + ("tenant",)
 # Telemetry components, initialised to 0 so dashboards and alerts see the series before any error.
 COMPONENTS = ("metrics", "tracing", "tokenizer", "records", "timing", "slo", "otlp_export", "otlp_metrics")
 # Why the proxy itself answered 503 proxy_overloaded (errors.EXHAUSTED holds the exhaustion ones).
@@ -47,7 +51,7 @@ class MetricDef:
 
 
 METRICS: tuple[MetricDef, ...] = (
-    MetricDef("llmproxy_requests", "counter", "Finished requests by wire API (openai, azure, anthropic, gemini, ollama, other), outcome (ok, upstream_error, client_disconnect, client_slow, timeout, proxy_error, overloaded) and HTTP status. The latency metrics below describe the ok ones.", BASE + ("api", "outcome", "code")),
+    MetricDef("llmproxy_requests", "counter", "Finished requests by tenant (one the --tenants file names, unknown: none attributed, other: the rest), wire API (openai, azure, anthropic, gemini, ollama, other), outcome (ok, upstream_error, client_disconnect, client_slow, timeout, proxy_error, overloaded) and HTTP status. The latency metrics below describe the ok ones.", TENANTED + ("api", "outcome", "code")),
     MetricDef("llmproxy_unmeasured_requests", "counter", "Requests relayed whole but not (wholly) measured, by reason: event_too_large (a streamed event past --max-event-bytes), undecodable (a content-encoding the proxy could not decode), client_backpressure (a slow client filled the stream's read-ahead, --stream-buffer-bytes, so reading paused: its decode figures would be the client's pace and are left out of the decode histograms).", ("upstream", "reason")),
     MetricDef("llmproxy_requests_in_flight", "gauge", "Requests being relayed now.", ("upstream",)),
     MetricDef("llmproxy_max_in_flight", "gauge", "The admission cap, --max-in-flight, summed over worker processes (0: no cap).", ("upstream",)),
@@ -56,11 +60,11 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("llmproxy_open_fds", "gauge", "Open file descriptors of the proxy's processes (read at each scrape; with workers, each worker's every second).", ()),
     MetricDef("llmproxy_max_fds", "gauge", "The open files limit (RLIMIT_NOFILE soft limit, after the proxy raised it to the hard one), summed over worker processes.", ()),
     MetricDef("llmproxy_accept_pauses", "counter", "Times the listener stopped accepting for 50 ms because the process was out of descriptors (or memory); clients waited in the listen backlog.", ("reason",)),
-    MetricDef("llmproxy_request_duration_seconds", "histogram", "End to end: request received by the proxy to the last byte relayed (successful requests).", BASE, DURATION_BUCKETS),
-    MetricDef("llmproxy_time_to_first_token_seconds", "histogram", "First content chunk of any choice minus request received by the proxy (successful streaming requests).", BASE, TTFT_BUCKETS),
+    MetricDef("llmproxy_request_duration_seconds", "histogram", "End to end: request received by the proxy to the last byte relayed (successful requests), by tenant too.", TENANTED, DURATION_BUCKETS),
+    MetricDef("llmproxy_time_to_first_token_seconds", "histogram", "First content chunk of any choice minus request received by the proxy (successful streaming requests), by tenant too.", TENANTED, TTFT_BUCKETS),
     MetricDef("llmproxy_inter_token_latency_seconds", "histogram", "Per choice: gap between consecutive content chunks divided by the tokens in the later chunk.", BASE, GAP_BUCKETS),
     MetricDef("llmproxy_inter_chunk_latency_seconds", "summary", "Per choice: gap between consecutive content chunks (mean from sum / count).", BASE),
-    MetricDef("llmproxy_decode_tokens_per_second", "histogram", "Per request: tokens streamed after each choice's first content chunk / that choice's decode window, averaged over choices; hidden reasoning tokens excluded.", BASE, TPS_BUCKETS),
+    MetricDef("llmproxy_decode_tokens_per_second", "histogram", "Per request: tokens streamed after each choice's first content chunk / that choice's decode window, averaged over choices; hidden reasoning tokens excluded; by tenant too.", TENANTED, TPS_BUCKETS),
     MetricDef("llmproxy_prefill_tokens_per_second", "histogram", "Per request: uncached prompt tokens / prefill phase seconds.", BASE, PREFILL_TPS_BUCKETS),
     MetricDef("llmproxy_phase_seconds", "counter", "Seconds spent in each phase of successful requests (client, proxy, wait: the proxy's own wait for its upstream pool, network, tokenize, queue, load, reasoning, prefill, decode, server); the phases sum to the request duration, so per phase / llmproxy_request_duration_seconds_sum is the split.", BASE + ("phase",)),
     MetricDef("llmproxy_proxy_overhead_seconds", "histogram", "Per successful request: the proxy's own time (the phase proxy), for its quantiles; not by model (it does not depend on one).", ("upstream", "endpoint", "stream"), OVERHEAD_BUCKETS),
@@ -80,10 +84,12 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("llmproxy_records_written", "counter", "Per-request records written to the records store (--records-db).", ()),
     MetricDef("llmproxy_records_buffered", "gauge", "Per-request records waiting to be written to the records store now (the store is down or slow when it grows).", ()),
     MetricDef("llmproxy_records_dropped", "counter", "Per-request records that never reached the store, by reason: buffer_full (the store was down or slow past --records-buffer or --records-buffer-bytes: the oldest went), rejected (the store refused a batch for what it held), shutdown (not written within the flush deadline at SIGTERM).", ("reason",)),
-    MetricDef("llmproxy_slo_requests", "counter", "Generation requests judged against their service-level objective (--slo), by result: good (every stated objective met) or bad. Exact counts: the error ratio and burn rate are bad / all.", ("slo", "model", "upstream", "result")),
-    MetricDef("llmproxy_slo_misses", "counter", "Bad requests by the objective missed (ttft, tpot, e2e, error) and its blame: for ttft and e2e the phase furthest above its usual value for the model, for tpot decode, for error the outcome. A request that missed two objectives counts once in each.", ("slo", "model", "upstream", "objective", "blame")),
+    MetricDef("llmproxy_slo_requests", "counter", "Generation requests judged against their service-level objective (--slo), by tenant and result: good (every stated objective met) or bad. Exact counts: the error ratio and burn rate are bad / all.", ("slo", "model", "upstream", "tenant", "result")),
+    MetricDef("llmproxy_slo_misses", "counter", "Bad requests by tenant, the objective missed (ttft, tpot, e2e, error) and its blame: for ttft and e2e the phase furthest above its usual value for the model, for tpot decode, for error the outcome. A request that missed two objectives counts once in each.", ("slo", "model", "upstream", "tenant", "objective", "blame")),
     MetricDef("llmproxy_slo_target", "gauge", "Each objective's target from the --slo file: the share of its requests that must be good (the error budget is 1 - target).", ("slo",)),
 )
+
+TENANT_POSITION = {d.name: d.labels.index("tenant") for d in METRICS if "tenant" in d.labels}  # where each family's tenant label is
 
 
 def observe_many(child: Any, values: list[float], bounds: tuple[float, ...] = ()) -> None:
@@ -116,14 +122,17 @@ def observe_many(child: Any, values: list[float], bounds: tuple[float, ...] = ()
 
 class ModelLabels:
     """Caps the distinct `model` label values; later ones become `other`. And caps the label sets
-    (model, upstream, endpoint, stream) the per-request latency metrics get, whatever mix of APIs
-    and models made them: past `max_sets`, a new set's model is `other` (its counts and latencies
-    still go somewhere visible), so one scrape stays under its series budget with every API in use."""
+    (model, upstream, endpoint, stream, tenant) the per-request metrics get, whatever mix of APIs,
+    models and tenants made them: past `max_sets`, a new set's model is `other` (its counts and
+    latencies still go somewhere visible), keeping its tenant while a reserve of `max_sets // 16`
+    such sets lasts, then `other` too; so one scrape stays under its series budget with every API
+    and every tenant in use. A tenant's sets are forgotten when its series expire (`forget`)."""
 
     def __init__(self, limit: int, max_sets: int = 400) -> None:
         self.limit, self.max_sets = limit, max_sets
         self._seen: set[str] = set()
         self._sets: set[tuple[str, ...]] = set()
+        self._folded: set[tuple[str, ...]] = set()  # model `other`, tenant kept: the reserve
 
     def __call__(self, model: str) -> str:
         if model in self._seen:
@@ -134,13 +143,23 @@ class ModelLabels:
         return model
 
     def label_set(self, model: str, *rest: str) -> tuple[str, ...]:
+        """The set to observe (model, *rest); rest's last value is the tenant."""
         key = (model, *rest)
-        if key in self._sets or model == "other":
+        if key in self._sets or key in self._folded:
             return key
-        if len(self._sets) >= self.max_sets:
-            return ("other", *rest)
-        self._sets.add(key)
-        return key
+        if model != "other" and len(self._sets) < self.max_sets:
+            self._sets.add(key)
+            return key
+        folded = ("other", *rest)
+        if folded in self._folded or rest[-1] == "other" or len(self._folded) < max(1, self.max_sets // 16):
+            self._folded.add(folded)
+            return folded
+        return ("other", *rest[:-1], "other")
+
+    def forget(self, tenants: set[str]) -> None:
+        """Their sets no longer count against the budget (their series were removed)."""
+        self._sets = {key for key in self._sets if key[-1] not in tenants}
+        self._folded = {key for key in self._folded if key[-1] not in tenants}
 
 
 class ProxyMetrics:
@@ -148,7 +167,8 @@ class ProxyMetrics:
     (an engine-only summary for an upstream that reports no engine timings, TTFT for a
     non-streaming request) exposes no series."""
 
-    def __init__(self, registry: CollectorRegistry, max_models: int = 100, multiprocess: bool = False, max_label_sets: int = 400) -> None:
+    def __init__(self, registry: CollectorRegistry, max_models: int = 100, multiprocess: bool = False, max_label_sets: int = 400,
+                 tenant_expiry_s: float = 3600.0) -> None:
         # `_created` would add a series beside every counter, histogram and summary: nothing we
         # ship reads it, and Prometheus does not need it. prometheus_client keeps that switch
         # process-wide; the proxy owns its process.
@@ -157,6 +177,9 @@ class ProxyMetrics:
         self.multiprocess = multiprocess
         self.models = ModelLabels(max_models, max_label_sets)
         self.slo_sets = ModelLabels(max_models, SLO_SETS)
+        self.tenant_label: Callable[[str], str] = lambda tenant: tenant  # the app sets its Tenants.label
+        self.tenant_expiry_s = tenant_expiry_s
+        self._tenant_seen: dict[str, float] = {}  # tenant label -> its last request (monotonic s)
         self.m: dict[str, Any] = {}
         for d in METRICS:
             if d.kind == "counter":
@@ -207,8 +230,11 @@ class ProxyMetrics:
         model = self.models(t.model)
         stream = "true" if t.stream else "false"
         child = self.child
-        key = self.models.label_set(model, upstream, t.endpoint, stream)
-        child("llmproxy_requests", *key, t.api, t.outcome, str(t.status_code)).inc()
+        tenant = self.tenant_label(t.tenant)
+        self._tenant_seen[tenant] = time.monotonic()
+        tenanted = self.models.label_set(model, upstream, t.endpoint, stream, tenant)
+        key = tenanted[:4]
+        child("llmproxy_requests", *tenanted, t.api, t.outcome, str(t.status_code)).inc()
         if t.unmeasured:
             child("llmproxy_unmeasured_requests", upstream, t.unmeasured).inc()
         if t.outcome == "overloaded":
@@ -232,14 +258,14 @@ class ProxyMetrics:
         if b is None or t.outcome != "ok":
             return
         ex = {"trace_id": trace_id} if trace_id and not self.multiprocess else None
-        child("llmproxy_request_duration_seconds", *key).observe(b.e2e_s, ex)
+        child("llmproxy_request_duration_seconds", *tenanted).observe(b.e2e_s, ex)
         if b.ttft_s is not None:
-            child("llmproxy_time_to_first_token_seconds", *key).observe(b.ttft_s, ex)
+            child("llmproxy_time_to_first_token_seconds", *tenanted).observe(b.ttft_s, ex)
         if b.prefill_tokens_per_second is not None:
             child("llmproxy_prefill_tokens_per_second", *key).observe(b.prefill_tokens_per_second)
         if t.unmeasured != "client_backpressure":  # (its decode stamps may be the client's pace, not the engine's)
             if b.decode_tokens_per_second is not None:
-                child("llmproxy_decode_tokens_per_second", *key).observe(b.decode_tokens_per_second, ex)
+                child("llmproxy_decode_tokens_per_second", *tenanted).observe(b.decode_tokens_per_second, ex)
             if b.inter_chunk_s:
                 observe_many(child("llmproxy_inter_chunk_latency_seconds", *key), b.inter_chunk_s)
             if b.inter_token_s:
@@ -254,12 +280,12 @@ class ProxyMetrics:
             child("llmproxy_phase_seconds", *key, phase).inc(max(0.0, seconds))
         child("llmproxy_proxy_overhead_seconds", upstream, t.endpoint, stream).observe(b.phases.get("proxy", 0.0))
 
-    def observe_slo(self, verdict: Verdict, model: str, upstream: str) -> None:
-        """A judged request: good or bad, and each miss with its blame. A (slo, model, upstream) set's
-        first verdict creates its every series at 0 (each result, each stated objective's blames)."""
+    def observe_slo(self, verdict: Verdict, model: str, upstream: str, tenant: str = "unknown") -> None:
+        """A judged request: good or bad, and each miss with its blame. A (slo, model, upstream, tenant)
+        set's first verdict creates its every series at 0 (each result, each stated objective's blames)."""
         if verdict.good is None:
             return
-        key = (verdict.slo, *self.slo_sets.label_set(self.models(model), upstream))
+        key = (verdict.slo, *self.slo_sets.label_set(self.models(model), upstream, self.tenant_label(tenant)))
         child = self.child
         if ("llmproxy_slo_requests", *key, "good") not in self._bound:
             child("llmproxy_slo_requests", *key, "good")
@@ -280,6 +306,27 @@ class ProxyMetrics:
                 del self._bound[(name, *labels)]
         for slo, target in targets.items():
             self.child("llmproxy_slo_target", slo).set(target)
+
+    def expire_tenants(self, now: float | None = None) -> list[str]:
+        """Remove the series of every tenant with no request for --tenant-expiry seconds (a tenant that
+        stopped sending, or left the file), and free its label sets; what was removed. (Not with
+        workers: their values live in files each worker keeps.)"""
+        if self.tenant_expiry_s <= 0 or self.multiprocess:
+            return []
+        now = time.monotonic() if now is None else now
+        stale = {tenant for tenant, seen in self._tenant_seen.items() if now - seen > self.tenant_expiry_s}
+        if not stale:
+            return []
+        for key in list(self._bound):
+            position = TENANT_POSITION.get(key[0])
+            if position is not None and key[1 + position] in stale:
+                self.m[key[0]].remove(*key[1:])
+                del self._bound[key]
+        self.models.forget(stale)
+        self.slo_sets.forget(stale)
+        for tenant in stale:
+            del self._tenant_seen[tenant]
+        return sorted(stale)
 
     def accept_paused(self, upstream: str) -> Any:
         """The listener's pause counter (acceptor.py). The overload series start at 0, so the

@@ -28,7 +28,7 @@ from .tokens import PromptParts, Tokenizer
 
 INLINE_TOKENIZE_BYTES = 16 * 1024  # about 4,000 tokens: well under a millisecond to count
 BIG_BODY_BYTES = 1024 * 1024
-SMALL_KEYS = ("model", "stream", "stream_options", "n")
+SMALL_KEYS = ("model", "stream", "stream_options", "n", "user", "safety_identifier", "metadata")  # (the last three: its end user, tenants.py)
 T = TypeVar("T")
 
 

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from .offload import Offload
     from .routes import Router
     from .telemetry import Telemetry
+    from .tenants import Tenants
     from .upstream import Upstream
 
 log = logging.getLogger("llmproxy.relay")
@@ -54,6 +55,7 @@ class AppView(Protocol):
     offload: Offload
     client_keys: tuple[str, ...]
     admission: Admission
+    tenants: Tenants
 
     def upstream_headers(self, headers: list[tuple[bytes, bytes]], length: int, upstream: Upstream, dialect: apis.Dialect,
                          identity: bool) -> list[tuple[bytes, bytes]]: ...
@@ -90,6 +92,8 @@ class Exchange:
         watcher: asyncio.Task[None] | None = None
         admitted = False
         try:
+            # Who sent it, before anything can refuse it: a refused request is its tenant's too.
+            t.tenant = app.tenants.tenant(self.scope["headers"], self.scope.get("query_string", b""))
             app.admission.enter()  # over --max-in-flight: an immediate 503, before the body is read
             admitted = True
             check_request(self.scope, app.client_keys)
@@ -165,6 +169,7 @@ class Exchange:
             t.model = route.model
         if route.stream is not None:  # the path says (Gemini)
             t.stream = route.stream
+        t.user = app.tenants.user(self.scope["headers"], parsed)
         upstream = app.router.pick(t.model)
         if upstream is None:
             raise ModelNotRouted(f"the model `{t.model}` is not routed by this proxy (see its routing file)")

@@ -30,14 +30,23 @@ WHAT_TO_DO = ("queue: the engine is saturated (more replicas, a smaller batch, a
               "too many streams per engine (see `explain`'s capacity); error: the upstream's failures, by outcome.")
 
 
-def recording_rules(slo: str) -> list[dict[str, Any]]:
-    """One SLO's error ratio over each window its alerts read. In the alerts' own group, before them:
-    a group's rules run in order, so the alerts read this evaluation's ratios (groups run
-    concurrently, so from a group of its own they read this one's or the last one's, by chance). Its
-    `slo` label (the value the sum already has) makes each objective's rules distinct to the linter."""
+def _by(o: Objective) -> str:
+    """What an objective's ratios and alerts are kept apart by: the objective, and with
+    `page_per_tenant` each tenant (its burn pages on its own)."""
+    return "slo, tenant" if o.page_per_tenant else "slo"
+
+
+def recording_rules(o: Objective) -> list[dict[str, Any]]:
+    """One SLO's error ratio over each window its alerts read (per tenant with `page_per_tenant`). In
+    the alerts' own group, before them: a group's rules run in order, so the alerts read this
+    evaluation's ratios (groups run concurrently, so from a group of its own they read this one's or
+    the last one's, by chance). Its `slo` label (the value the sum already has) makes each
+    objective's rules distinct to the linter."""
+    by = _by(o)
     return [{"record": RATIO.format(window=w),
-             "expr": f'sum by (slo) (rate(llmproxy_slo_requests_total{{slo="{slo}", result="bad"}}[{w}]))\n'
-                     f'  / sum by (slo) (rate(llmproxy_slo_requests_total{{slo="{slo}"}}[{w}]))\n', "labels": {"slo": slo}} for w in WINDOWS]
+             "expr": f'sum by ({by}) (rate(llmproxy_slo_requests_total{{slo="{o.name}", result="bad"}}[{w}]))\n'
+                     f'  / sum by ({by}) (rate(llmproxy_slo_requests_total{{slo="{o.name}"}}[{w}]))\n', "labels": {"slo": o.name}}
+            for w in WINDOWS]
 
 
 def describe(o: Objective) -> str:
@@ -46,15 +55,19 @@ def describe(o: Objective) -> str:
         return f"{value * 1000:g} ms" if value < 1 else f"{value:g} s"
 
     stated = [f"{name.upper() if name != 'e2e' else name} ≤ {seconds(v)}" for name, v in o.thresholds.items()]
-    return f"{', '.join(stated)} for {o.target * 100:g}% of requests to {', '.join(o.models)}"
+    tenants = f" from tenants {', '.join(o.tenants)}" if o.tenants else ""
+    return f"{', '.join(stated)} for {o.target * 100:g}% of requests to {', '.join(o.models)}{tenants}"
 
 
 def blame_annotation(o: Objective, window: str) -> str:
     """A template Prometheus fills when the alert fires: each objective and blamed phase's share of the bad requests."""
-    misses = f'sum by (objective, blame) (increase(llmproxy_slo_misses_total{{slo="{o.name}"}}[{window}]))'
-    bad = f'scalar(sum(increase(llmproxy_slo_requests_total{{slo="{o.name}", result="bad"}}[{window}])))'
-    query = f"sort_desc({misses} / {bad} > 0)".replace('"', '\\"')
-    return (f'Spending the budget over the last {window} (share of the bad requests): {{{{ range $i, $m := query "{query}" }}}}'
+    which = f'slo="{o.name}"' + (', tenant="%s"' if o.page_per_tenant else "")  # (the firing tenant's, by printf)
+    misses = f'sum by (objective, blame) (increase(llmproxy_slo_misses_total{{{which}}}[{window}]))'
+    bad = f'scalar(sum(increase(llmproxy_slo_requests_total{{{which}, result="bad"}}[{window}])))'
+    query = '"' + f"sort_desc({misses} / {bad} > 0)".replace('"', '\\"') + '"'
+    if o.page_per_tenant:
+        query = f"(printf {query} $labels.tenant $labels.tenant)"
+    return (f'Spending the budget over the last {window} (share of the bad requests): {{{{ range $i, $m := query {query} }}}}'
             "{{ if $i }}, {{ end }}{{ $m.Labels.objective }} misses blamed on {{ $m.Labels.blame }} {{ $m.Value | humanizePercentage }}"
             "{{ else }}none counted{{ end }}.")
 
@@ -67,26 +80,28 @@ def alert(o: Objective, severity: str, slo_path: str) -> dict[str, Any]:
                            for _, long, short, factor, _ in pairs)
     windows = " or ".join(f"{factor:g}x over {long} and {short}" for _, long, short, factor, _ in pairs)
     spent = " / ".join(f"{share:.0%}" for *_, share in pairs)
-    explain = f"llm-latency-proxy explain --slo {slo_path} --since {pairs[0][1]}"
+    explain = f"llm-latency-proxy explain --slo {slo_path} --since {pairs[0][1]}" + (" --by tenant" if o.page_per_tenant else "")
+    ui = f"/ui?slo={o.name}&verdict=miss" + ("&tenant={{ $labels.tenant }}" if o.page_per_tenant else "")
     return {
         "alert": "LLMSLOBudgetBurn",
         "expr": expr + "\n",
         "labels": {"severity": severity, "slo": o.name, "objective": f"{o.target * 100:g}%"},
         "annotations": {
-            "summary": f"SLO {o.name} is spending its error budget too fast ({severity})",
+            "summary": f"SLO {o.name} is spending its error budget too fast ({severity})" + (
+                " for tenant {{ $labels.tenant }}" if o.page_per_tenant else ""),
             "description": (f"The error budget of {o.name} ({describe(o)}) burns at {{{{ $value | printf \"%.1f\" }}}}x the "
                             f"sustainable rate ({windows}: {spent} of a 30-day budget spent when this fires)."),
             "blame": blame_annotation(o, pairs[0][1]),
             "runbook": f"Act on the phase named in `blame`. {WHAT_TO_DO}",
             "first_look": (f"First look: the dashboard row 'Service-level objectives' (panel 'SLO misses by blamed phase'); then "
                            f"`{explain}` (attainment, misses by phase, capacity); then the misses themselves: "
-                           f"/ui?slo={o.name}&verdict=miss on any replica."),
+                           f"{ui} on any replica."),
         },
     }
 
 
 def groups(objectives: tuple[Objective, ...], slo_path: str) -> list[dict[str, Any]]:
-    return [{"name": f"llmproxy-slo-{o.name}", "rules": [*recording_rules(o.name), alert(o, "page", slo_path), alert(o, "ticket", slo_path)]}
+    return [{"name": f"llmproxy-slo-{o.name}", "rules": [*recording_rules(o), alert(o, "page", slo_path), alert(o, "ticket", slo_path)]}
             for o in objectives]
 
 

@@ -5,6 +5,8 @@ The objectives come from one YAML file (`serve --slo PATH`, reloaded on SIGHUP):
     objectives:
       - name: interactive        # the `slo` label
         models: ["llama-*"]      # exact names or globs; the first objective that matches wins
+        tenants: ["search-*"]    # optional: only these tenants' requests (names or globs; --tenants); models then default to all
+        page_per_tenant: true    # optional: `rules --slo` pages per tenant (each tenant's burn its own alert)
         ttft: 0.5                # seconds, optional
         tpot: 0.05               # seconds per output token after the first, optional
         e2e: 30                  # seconds, optional (at least one of the three)
@@ -40,8 +42,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
-
+from .config import parse_yaml, read_text
 from .timing import Breakdown, RequestTiming
 
 log = logging.getLogger("llmproxy.slo")
@@ -53,7 +54,7 @@ FAILED = ("upstream_error", "timeout", "proxy_error", "overloaded")  # outcomes 
 LEFT = ("client_disconnect", "client_slow")  # the client went away, or stopped reading
 USUAL_WINDOW = 256  # good requests per model the usual phase values are the median of
 USUAL_MODELS = 200  # models whose usual values are kept (later ones share one)
-KEYS = ("name", "models", "ttft", "tpot", "e2e", "target", "window")
+KEYS = ("name", "models", "tenants", "page_per_tenant", "ttft", "tpot", "e2e", "target", "window")
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 DEFAULT_WINDOW_S = 30 * 86400.0
 
@@ -69,6 +70,8 @@ class Objective:
     tpot: float | None = None
     e2e: float | None = None
     window_s: float = DEFAULT_WINDOW_S
+    tenants: tuple[str, ...] = ()  # empty: every tenant
+    page_per_tenant: bool = False
 
     @property
     def thresholds(self) -> dict[str, float]:
@@ -80,8 +83,9 @@ class Objective:
         """The share of requests allowed to be bad (1 - target)."""
         return 1.0 - self.target
 
-    def matches(self, model: str) -> bool:
-        return any(model == pattern or fnmatch.fnmatchcase(model, pattern) for pattern in self.models)
+    def matches(self, model: str, tenant: str = "unknown") -> bool:
+        return any(model == pattern or fnmatch.fnmatchcase(model, pattern) for pattern in self.models) and (
+            not self.tenants or any(tenant == pattern or fnmatch.fnmatchcase(tenant, pattern) for pattern in self.tenants))
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,15 +112,6 @@ def parse_window(value: Any, where: str) -> float:
     return float(match.group(1)) * UNITS[match.group(2)]
 
 
-class _LineLoader(yaml.SafeLoader):
-    """Keeps each mapping's line, so a broken objective is refused with where it is."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        mapping = super().construct_mapping(node, deep=deep)
-        mapping["__line__"] = node.start_mark.line + 1
-        return mapping
-
-
 def _seconds(spec: dict[str, Any], key: str, where: str) -> float | None:
     value = spec.get(key)
     if value is None:
@@ -128,12 +123,7 @@ def _seconds(spec: dict[str, Any], key: str, where: str) -> float | None:
 
 def parse(text: str, path: str = "<slo>") -> tuple[Objective, ...]:
     """The objectives of a file's text; a broken one raises ValueError naming the file and line."""
-    try:
-        data = yaml.load(text, Loader=_LineLoader)  # noqa: S506 - a SafeLoader subclass
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = f", line {mark.line + 1}" if mark is not None else ""
-        raise ValueError(f"slo file {path}{line}: {getattr(exc, 'problem', None) or exc}") from None
+    data = parse_yaml(text, f"slo file {path}")
     if not isinstance(data, dict) or not isinstance(data.get("objectives"), list):
         raise ValueError(f"slo file {path}, line 1: expected `objectives:` (a list)")
     out: list[Objective] = []
@@ -144,30 +134,30 @@ def parse(text: str, path: str = "<slo>") -> tuple[Objective, ...]:
         unknown = sorted(set(spec) - set(KEYS))
         if unknown:
             raise ValueError(f"{where}: unknown keys {unknown} (known: {', '.join(KEYS)})")
-        name, models, target = spec.get("name"), spec.get("models"), spec.get("target")
+        name, models, target = spec.get("name"), spec.get("models", ["*"] if "tenants" in spec else None), spec.get("target")
+        tenants = spec.get("tenants", [])
+        if not (isinstance(tenants, list) and all(isinstance(t, str) and t for t in tenants)) or ("tenants" in spec and not tenants):
+            raise ValueError(f"{where}: tenants must be a non-empty list of tenant names or globs, not {tenants!r}")
+        if not isinstance(spec.get("page_per_tenant", False), bool):
+            raise ValueError(f"{where}: page_per_tenant must be true or false, not {spec['page_per_tenant']!r}")
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
             raise ValueError(f"{where}: name must be a word of letters, digits, _ . or -, not {name!r}")
         if name in {o.name for o in out}:
             raise ValueError(f"{where}: objective {name!r} is defined twice")
         if not (isinstance(models, list) and models and all(isinstance(m, str) and m for m in models)):
-            raise ValueError(f"{where}: objective {name!r} needs `models`, a non-empty list of names or globs")
+            raise ValueError(f"{where}: objective {name!r} needs `models` (or `tenants`), a non-empty list of names or globs")
         if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 < target < 1:
             raise ValueError(f"{where}: objective {name!r} needs a `target` between 0 and 1 (such as 0.99), not {target!r}")
         ttft, tpot, e2e = (_seconds(spec, key, where) for key in OBJECTIVES)
         if ttft is None and tpot is None and e2e is None:
             raise ValueError(f"{where}: objective {name!r} states none of ttft, tpot, e2e")
         window = parse_window(spec["window"], where) if "window" in spec else DEFAULT_WINDOW_S
-        out.append(Objective(name, tuple(models), float(target), ttft, tpot, e2e, window))
+        out.append(Objective(name, tuple(models), float(target), ttft, tpot, e2e, window, tuple(tenants), spec.get("page_per_tenant", False)))
     return tuple(out)
 
 
 def load(path: str) -> tuple[Objective, ...]:
-    try:
-        with open(path, encoding="utf-8") as handle:
-            text = handle.read()
-    except OSError as exc:
-        raise ValueError(f"slo file {path}: {exc.strerror or exc}") from None
-    return parse(text, path)
+    return parse(read_text(path, f"slo file {path}"), path)
 
 
 Key = tuple[str, str]  # (model, "ttft" | "e2e"): the proxy phase before the first token is not the whole one
@@ -256,14 +246,14 @@ class SLOs:
             self.objectives = load(self.path)
             log.warning("objectives reloaded from %s: %s", self.path, ", ".join(o.name for o in self.objectives))
 
-    def pick(self, model: str) -> Objective | None:
-        return next((o for o in self.objectives if o.matches(model)), None)
+    def pick(self, model: str, tenant: str = "unknown") -> Objective | None:
+        return next((o for o in self.objectives if o.matches(model, tenant)), None)
 
     def judge(self, t: RequestTiming, b: Breakdown) -> Verdict | None:
         """This request's verdict, or None (not a generation request, or no objective names its model)."""
         if not self.objectives or t.endpoint not in GENERATION:
             return None
-        objective = self.pick(t.model)
+        objective = self.pick(t.model, t.tenant)
         if objective is None:
             return None
         limits = objective.thresholds

@@ -67,6 +67,8 @@ def record_dict(ctx: RequestContext, b: Breakdown) -> dict[str, Any]:
         "api": t.api,
         "endpoint": t.endpoint,
         "model": t.model,
+        "tenant": t.tenant,
+        "user": t.user or None,
         "response_model": t.response_model,
         "stream": t.stream,
         "status_code": t.status_code,
@@ -142,7 +144,7 @@ class MetricsSink:
         upstream = ctx.upstream or self.upstream
         self.metrics.observe(ctx.timing, b, upstream, ctx.trace_id)
         if ctx.verdict is not None:
-            self.metrics.observe_slo(ctx.verdict, ctx.timing.model, upstream)
+            self.metrics.observe_slo(ctx.verdict, ctx.timing.model, upstream, ctx.timing.tenant)
 
 
 class SpansSink:

@@ -75,6 +75,8 @@ class RequestTiming:
     endpoint: Endpoint = "other"
     model: str = "unknown"
     stream: bool = False
+    tenant: str = "unknown"  # who sent it (tenants.py): the application or team
+    user: str = ""  # its end user ("": none named); records and spans only, never a metric label
     body_end_ns: int | None = None  # the client's request body fully read
     # upstream exchange (stamped by upstream.py at each step)
     issued_ns: int | None = None

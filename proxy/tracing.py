@@ -180,6 +180,9 @@ class Tracing:
                                          "llmproxy.slo.blame": [f"{k}={v}" for k, v in verdict.blame.items()] or None})
                 self._children(out, spans, t, b, wall)
         finally:
+            server_attrs["llmproxy.tenant"] = t.tenant  # who sent it (tenants.py); its end user as OpenTelemetry names one
+            if t.user:
+                server_attrs["user.id"] = t.user
             upstream_attrs = {"server.address": host, "server.port": port, "http.response.status_code": t.status_code}
             out.append(self._span(spans, "upstream.request", spans.upstream_id, spans.server_id, wall(t.received_ns),
                                   wall(t.upstream_end_ns or end_ns), upstream_attrs, kind=SpanKind.CLIENT))

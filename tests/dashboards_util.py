@@ -69,7 +69,8 @@ def rules(path: Path = RULES) -> list[dict[str, Any]]:
     return [rule for group in yaml.safe_load(path.read_text())["groups"] for rule in group["rules"]]
 
 
-def substitute(expr: str, rate_interval: str = "1m", range_: str = "5m", endpoint: str = ".*") -> str:
-    """Grafana's variables, as the dashboard would send them with 'All' selected (or one endpoint)."""
+def substitute(expr: str, rate_interval: str = "1m", range_: str = "5m", endpoint: str = ".*", tenant: str = ".*") -> str:
+    """Grafana's variables, as the dashboard would send them with 'All' selected (or one endpoint, one tenant)."""
     return (expr.replace("$__rate_interval", rate_interval).replace("$__range", range_).replace("$__interval", "15s")
-            .replace("$upstream", ".*").replace("$model", ".*").replace("$endpoint", endpoint).replace("$slo", ".*"))
+            .replace("$upstream", ".*").replace("$model", ".*").replace("$endpoint", endpoint).replace("$slo", ".*")
+            .replace("$tenant", tenant))

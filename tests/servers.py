@@ -244,6 +244,8 @@ class ProxyServer:
     def sample(self, name: str, labels: dict[str, str]) -> float | None:
         if name == "llmproxy_requests_total" and "api" not in labels:  # (most tests speak OpenAI's API)
             labels = {**labels, "api": "openai"}
+        if name.startswith(TENANTED) and "tenant" not in labels:  # (most tests name no tenant: `unknown`)
+            labels = {**labels, "tenant": "unknown"}
         return self.registry.get_sample_value(name, labels)
 
     def in_flight(self) -> float:
@@ -261,6 +263,10 @@ class ProxyServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=15)
+
+
+TENANTED = ("llmproxy_requests_total", "llmproxy_time_to_first_token_seconds", "llmproxy_request_duration_seconds",
+            "llmproxy_decode_tokens_per_second", "llmproxy_slo_requests_total", "llmproxy_slo_misses_total")
 
 
 class RawUpstream:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 import subprocess
 import sys
@@ -47,7 +48,7 @@ def test_every_metric_used_is_one_the_proxy_defines():
 def test_dashboard_structure():
     d = dashboard()
     variables = {v["name"]: v for v in d["templating"]["list"]}
-    assert set(variables) == {"datasource", "upstream", "model", "endpoint", "slo"}
+    assert set(variables) == {"datasource", "upstream", "model", "endpoint", "tenant", "slo"}
     assert variables["datasource"]["query"] == "prometheus"
     titles = [p["title"] for p in d["panels"]]
     for needed in ("Mean seconds per request, by phase", "Share of total time, by phase", "Time to first token",
@@ -56,7 +57,8 @@ def test_dashboard_structure():
                    "Connection reuse ratio", "Upstream RTT (kernel smoothed)", "Tokenizer seconds per request",
                    "Tokenizer microseconds per prompt token", "Requests by outcome and code", "In flight",
                    "Proxy's own overhead (phase proxy)", "Telemetry errors", "Per model", "SLO attainment vs target",
-                   "Error budget left (selected range)", "Burn rate (1 h and 6 h)", "Goodput vs throughput", "SLO misses by blamed phase"):
+                   "Error budget left (selected range)", "Burn rate (1 h and 6 h)", "Goodput vs throughput", "SLO misses by blamed phase",
+                   "Budget spent by tenant", "Requests and TTFT by tenant (selected range)"):
         assert needed in titles, needed
     for panel in d["panels"]:
         if panel["type"] == "row":
@@ -172,8 +174,18 @@ def test_compose_services_agree_with_the_cli_and_the_scrape_config():
     scrape = yaml.safe_load(PROM_CONFIG.read_text())["scrape_configs"][0]
     assert scrape["static_configs"][0]["targets"] == [f"proxy:{proxy.port}"]
     assert "load --base-url http://proxy:8080/v1" in compose["traffic"]["entrypoint"][-1]
-    load = cli.parse_args(["load", "--base-url", "http://proxy:8080/v1", "--concurrency", "4", "--duration", "300"])
-    assert load.command == "load"
+    command = compose["traffic"]["entrypoint"][-1]
+    load = cli.parse_args(re.search(r"llm-latency-proxy (load [^;]+);", command).group(1).split())
+    assert load.command == "load" and load.keys and load.shapes
+    # Its two applications' keys are the ones the proxy's tenants file names by fingerprint (and only as fingerprints).
+    from proxy.tenants import Tenants
+
+    mounted = next(v for v in compose["proxy"]["volumes"] if v.endswith(":" + proxy.tenants + ":ro"))
+    text = (ROOT / "dashboards" / mounted.split(":")[0]).read_text()
+    tenants = Tenants(str(ROOT / "dashboards" / mounted.split(":")[0]))
+    keys = load.keys.split(",")
+    assert [tenants.tenant([(b"authorization", b"Bearer " + k.encode())]) for k in keys] == ["search", "batch"]
+    assert not any(k in text for k in keys) and load.shapes == "long-prompts,long-answers"
     datasource = yaml.safe_load((ROOT / "dashboards/grafana/provisioning/datasources/prometheus.yml").read_text())
     assert datasource["datasources"][0]["url"].endswith(":9090")
     assert "9090:9090" in compose["prometheus"]["ports"]

@@ -117,9 +117,9 @@ def test_metrics_scraped_from_the_endpoint(proxy):
     proxy.wait_records(3)
     text = httpx.get(f"{proxy.url}/metrics").text
     up = proxy.settings.upstream_label
-    line = f'llmproxy_requests_total{{api="openai",code="200",endpoint="chat",model="sim-7b",outcome="ok",stream="true",upstream="{up}"}} 3.0'
+    line = f'llmproxy_requests_total{{api="openai",code="200",endpoint="chat",model="sim-7b",outcome="ok",stream="true",tenant="unknown",upstream="{up}"}} 3.0'
     assert line in text
-    assert f'llmproxy_time_to_first_token_seconds_count{{endpoint="chat",model="sim-7b",stream="true",upstream="{up}"}} 3.0' in text
+    assert f'llmproxy_time_to_first_token_seconds_count{{endpoint="chat",model="sim-7b",stream="true",tenant="unknown",upstream="{up}"}} 3.0' in text
     assert f'llmproxy_requests_in_flight{{upstream="{up}"}} 0.0' in text
     openmetrics = httpx.get(f"{proxy.url}/metrics", headers={"accept": "application/openmetrics-text"}).text
     assert '# {trace_id="' in openmetrics

@@ -27,11 +27,12 @@ def observed():
 def test_request_counter_and_histograms():
     registry, _ = observed()
     base = {"model": "m", "upstream": UP, "endpoint": "chat", "stream": "true"}
-    assert registry.get_sample_value("llmproxy_requests_total", {**base, "api": "other", "outcome": "ok", "code": "200"}) == 1
-    assert registry.get_sample_value("llmproxy_time_to_first_token_seconds_sum", base) == pytest.approx(0.210)
-    assert registry.get_sample_value("llmproxy_time_to_first_token_seconds_bucket", {**base, "le": "0.2"}) == 0
-    assert registry.get_sample_value("llmproxy_time_to_first_token_seconds_bucket", {**base, "le": "0.5"}) == 1
-    assert registry.get_sample_value("llmproxy_decode_tokens_per_second_sum", base) == pytest.approx(100.0)
+    tenanted = {**base, "tenant": "unknown"}
+    assert registry.get_sample_value("llmproxy_requests_total", {**tenanted, "api": "other", "outcome": "ok", "code": "200"}) == 1
+    assert registry.get_sample_value("llmproxy_time_to_first_token_seconds_sum", tenanted) == pytest.approx(0.210)
+    assert registry.get_sample_value("llmproxy_time_to_first_token_seconds_bucket", {**tenanted, "le": "0.2"}) == 0
+    assert registry.get_sample_value("llmproxy_time_to_first_token_seconds_bucket", {**tenanted, "le": "0.5"}) == 1
+    assert registry.get_sample_value("llmproxy_decode_tokens_per_second_sum", tenanted) == pytest.approx(100.0)
     assert registry.get_sample_value("llmproxy_inter_token_latency_seconds_count", base) == 2
     assert registry.get_sample_value("llmproxy_phase_seconds_total", {**base, "phase": "prefill"}) == pytest.approx(0.2)
     assert registry.get_sample_value("llmproxy_proxy_overhead_seconds_count", {"upstream": UP, "endpoint": "chat", "stream": "true"}) == 1
@@ -54,8 +55,39 @@ def test_model_labels_are_capped():
     cap = ModelLabels(2)
     assert [cap(m) for m in ("a", "b", "c", "a", "d")] == ["a", "b", "other", "a", "other"]
     sets = ModelLabels(100, max_sets=3)
-    chosen = [sets.label_set(m, "u", e, "true")[0] for m, e in (("a", "chat"), ("a", "messages"), ("b", "chat"), ("b", "messages"), ("a", "chat"))]
+    chosen = [sets.label_set(m, "u", e, "true", "t")[0] for m, e in (("a", "chat"), ("a", "messages"), ("b", "chat"), ("b", "messages"), ("a", "chat"))]
     assert chosen == ["a", "a", "b", "other", "a"]  # the fourth set is over the budget; known sets keep their model
+
+
+def test_past_the_budget_the_model_folds_first_then_the_tenant():
+    sets = ModelLabels(100, max_sets=32)  # (a reserve of 2 sets of model `other` that keep their tenant)
+    for i in range(32):
+        assert sets.label_set(f"m{i}", "u", "chat", "true", "t0") == (f"m{i}", "u", "chat", "true", "t0")
+    assert sets.label_set("late", "u", "chat", "true", "t1") == ("other", "u", "chat", "true", "t1")
+    assert sets.label_set("late", "u", "chat", "true", "t2") == ("other", "u", "chat", "true", "t2")
+    assert sets.label_set("late", "u", "chat", "true", "t3") == ("other", "u", "chat", "true", "other")  # the reserve is spent
+    assert sets.label_set("later", "u", "chat", "true", "t1") == ("other", "u", "chat", "true", "t1")  # a reserved set stays
+    sets.forget({"t0"})  # t0's series expired: its sets count no more
+    assert sets.label_set("new", "u", "chat", "true", "t3") == ("new", "u", "chat", "true", "t3")
+
+
+def test_a_tenant_that_stopped_sending_has_its_series_removed():
+    registry = CollectorRegistry()
+    metrics = ProxyMetrics(registry, tenant_expiry_s=3600)
+    for tenant in ("gone", "stays"):
+        t = streaming_record()
+        t.status_code, t.tenant = 200, tenant
+        metrics.observe(t, split(t), UP)
+    labels = {"model": "m", "upstream": UP, "endpoint": "chat", "stream": "true", "api": "other", "outcome": "ok", "code": "200"}
+    ttft = {k: labels[k] for k in ("model", "upstream", "endpoint", "stream")}
+    assert metrics.expire_tenants() == []  # both sent within the hour
+    assert registry.get_sample_value("llmproxy_time_to_first_token_seconds_count", {**ttft, "tenant": "gone"}) == 1
+    metrics._tenant_seen["gone"] -= 3601  # (its last request, an hour and a second ago)
+    assert metrics.expire_tenants() == ["gone"]
+    assert registry.get_sample_value("llmproxy_requests_total", {**labels, "tenant": "gone"}) is None
+    assert registry.get_sample_value("llmproxy_time_to_first_token_seconds_count", {**ttft, "tenant": "gone"}) is None
+    assert registry.get_sample_value("llmproxy_requests_total", {**labels, "tenant": "stays"}) == 1
+    assert registry.get_sample_value("llmproxy_phase_seconds_total", {**ttft, "phase": "prefill"}) is not None  # (no tenant label: untouched)
 
 
 def test_openmetrics_exposition_carries_the_trace_id_exemplar():
@@ -99,7 +131,9 @@ def test_series_at_the_model_cap(proxy_factory, tmp_path):
     under 20,000 series and 3 MB (the label-set budget folds what exceeds it into model="other"),
     with no _created series and engine-only children only where an engine reported (Ollama). Every
     model is judged against an SLO stating all three objectives (its series at their most: 2 results
-    and every blame of ttft, tpot, e2e and error, per set, for SLO_SETS sets and `other`)."""
+    and every blame of ttft, tpot, e2e and error, per set, for SLO_SETS sets and `other`). And the
+    requests come from 50 tenants, 20 of them named in the --tenants file, each from its own end
+    user: the tenant label holds the 20 and `other`, no end user is a label, the bounds hold."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
     import scrape
 
@@ -107,9 +141,11 @@ def test_series_at_the_model_cap(proxy_factory, tmp_path):
 
     objectives = tmp_path / "slo.yaml"
     objectives.write_text("objectives:\n  - name: all\n    models: ['*']\n    ttft: 0.5\n    tpot: 0.05\n    e2e: 30\n    target: 0.99\n")
-    proxy = proxy_factory(slo=str(objectives))
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(scrape.tenants_file(20))
+    proxy = proxy_factory(slo=str(objectives), tenants=str(tenants))
 
-    assert scrape.fill_to_the_cap(proxy.url) == 1500
+    assert scrape.fill_to_the_cap(proxy.url, tenants=50) == 1500
     body = httpx.get(f"{proxy.url}/metrics").content
     series = scrape.series(body)
     assert 15_000 < series <= 20_000, series  # the lower bound: the 400 label sets really are there
@@ -124,5 +160,9 @@ def test_series_at_the_model_cap(proxy_factory, tmp_path):
     endpoints = {re.search(rb'endpoint="([^"]+)"', line).group(1) for line in requests}
     assert endpoints == {b"chat", b"completions", b"embeddings", b"responses", b"messages", b"generate_content", b"ollama_chat"}
     slo = [line for line in body.splitlines() if line.startswith((b"llmproxy_slo_requests_total{", b"llmproxy_slo_misses_total{"))]
-    assert len(slo) == (SLO_SETS + 1) * (2 + sum(map(len, BLAMES.values()))), len(slo)  # every set at its most, `other` included
+    sets = SLO_SETS + SLO_SETS // 16 + 1  # the budget, the reserve for model `other` by tenant, then `other` for both
+    assert len(slo) == sets * (2 + sum(map(len, BLAMES.values()))), len(slo)  # every set at its most
     assert sum(float(line.rsplit(b" ", 1)[1]) for line in requests) == 1500  # every request counted, named or not
+    labels = set(re.findall(rb'tenant="([^"]*)"', body))
+    assert labels == {b"tenant-%02d" % i for i in range(20)} | {b"other"}, labels
+    assert b"user-" not in body and b"user=" not in body

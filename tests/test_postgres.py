@@ -343,6 +343,38 @@ def test_schema_1_moves_in_place_while_old_replicas_keep_writing(clean):
     assert differences(got, explain_reference.explain(records, objectives=fleet.OBJECTIVES)) == []
 
 
+def test_version_2_migrates_while_an_old_replica_keeps_writing(clean):
+    """Store version 3 (tenants) over a fleet store of version 2: the columns added in place under the
+    migration lock; a replica of version 2 still running keeps writing; explain answers as every
+    record did, and `--by tenant` counts every record (the old replica's as `unknown`)."""
+    import explain_reference
+    import schema2
+    from test_aggregate import differences
+
+    from proxy import ledger
+    from proxy.explain import explain, gather
+
+    pg = clean
+    records = list(fleet.records(400, time.time_ns() - 3 * 3600 * 10**9, 3 * 3600, models=4, instances=2, seed=11))
+    for record in records[340:]:
+        record.update(tenant="search", user="u-1")
+    store = PostgresBackend(pg.dsn, -1, 7 * 86400.0, str(pg.password_file))
+    with connect(pg.dsn, str(pg.password_file)) as old:
+        store.open()
+        store.close()
+        schema2.downgrade(old, postgres=True)
+        schema2.write(old, records[:300], postgres=True)
+        store.open()
+        assert pg.query("SELECT value FROM llmproxy_meta WHERE key = 'store_version'") == [(str(STORE_VERSION),)]
+        schema2.write(old, records[300:340], postgres=True)  # the old replica, still running
+        store.write([Writer.row(json.dumps(r).encode()) for r in records[340:]])
+    store.close()
+    got = explain(gather([store]), objectives=fleet.OBJECTIVES)
+    assert differences(got, explain_reference.explain(records, objectives=fleet.OBJECTIVES)) == []
+    assert {t: agg.requests for t, agg in ledger.gather([store]).items()} == {"unknown": 340, "search": 60}
+    assert len(store.recent(100, Filters(tenant="search", user="u-1"))) == 60
+
+
 def test_records_move_from_sqlite_to_postgresql_and_an_import_again_skips_them(clean, tmp_path):
     """`records export` from the embedded store, `records import` into the fleet's: every record, under its
     id, with the same explain; the same lines again store nothing."""

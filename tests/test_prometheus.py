@@ -18,6 +18,7 @@ import yaml
 from dashboards_util import RULES, SLO_EXAMPLE, SLO_RULES, dashboard, panel_targets, rules, substitute
 from proxy.demo import free_port
 from proxy.load import Mix, run_load
+from proxy.tenants import fingerprint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "dashboards"))
 import generate  # noqa: E402
@@ -40,13 +41,15 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     groups = yaml.safe_load(generate.scaled_rules(RULES.read_text()))["groups"] + yaml.safe_load(SLO_RULES.read_text())["groups"]
     test_rules.write_text(yaml.safe_dump({"groups": groups}))  # (the alert chains' own tests: test_alerts.py)
     sim = Simulator("--jitter", "0.05")
+    tenants = workdir / "tenants.yaml"  # two applications by their keys (drive() sends with both)
+    tenants.write_text("tenants:\n" + "".join(f"  - name: {name}\n    keys: ['{fingerprint(key)}']\n" for name, key in KEYS.items()))
     # Two proxy replicas, both scraped, as a fleet runs them: every panel must sum over instances.
     # `localhost` (not an IP) so the DNS step is measured too.
     # --max-in-flight well above the test load: the saturation panel has a cap to divide by.
     ports = [free_port(), free_port()]
     # The example objectives (dashboards/prometheus/slo.yml) judge the load: the SLO row has data.
     proxies = [Process(["serve", "--upstream", f"http://localhost:{sim.port}/v1", "--port", str(port), "--max-in-flight", "64",
-                        "--slo", str(SLO_EXAMPLE)], f"http://127.0.0.1:{port}/healthz") for port in ports]
+                        "--slo", str(SLO_EXAMPLE), "--tenants", str(tenants)], f"http://127.0.0.1:{port}/healthz") for port in ports]
     prom = Prometheus(workdir, [f"127.0.0.1:{port}" for port in ports], test_rules)
     try:
         yield {"sim": sim, "proxy": f"http://127.0.0.1:{ports[0]}", "proxies": [f"http://127.0.0.1:{p}" for p in ports], "prom": prom}
@@ -57,8 +60,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         sim.proc.stop()
 
 
+KEYS = {"search-eu": "sk-load-search-eu-0001", "batch": "sk-load-batch-0002"}  # search-eu: judged by the example's search-apps objective
+
+
 def drive(base: str, seconds: float, concurrency: int = 4, mix: Mix | None = None) -> Any:
-    return asyncio.run(run_load(f"{base}/v1", concurrency=concurrency, duration_s=seconds, mix=mix))
+    return asyncio.run(run_load(f"{base}/v1", concurrency=concurrency, duration_s=seconds, mix=mix, keys=list(KEYS.values()), users=50))
 
 
 def test_every_panel_query_and_rule_returns_data(stack):
@@ -93,6 +99,14 @@ def test_every_panel_query_and_rule_returns_data(stack):
         without = [f"{panel['title']} / {target['refId']}" for panel, target in filtered
                    if not has_data(prom.query(substitute(target["expr"], endpoint=endpoint)))]
         assert filtered and not without, f"panel queries without data for endpoint={endpoint}: {without}"
+    # The tenant variable set to one tenant: every panel that filters by tenant has that tenant's data.
+    by_tenant = [(panel, target) for panel, target in queries if "$tenant" in target["expr"]]
+    for tenant in KEYS:
+        without = [f"{panel['title']} / {target['refId']}" for panel, target in by_tenant
+                   if not has_data(prom.query(substitute(target["expr"], tenant=tenant)))]
+        assert by_tenant and not without, f"panel queries without data for tenant={tenant}: {without}"
+    spent = prom.query(substitute(next(t["expr"] for p, t in queries if p["title"] == generate.PANEL_TENANT_BUDGET)))["result"]
+    assert {(r["metric"]["slo"], r["metric"]["tenant"]) for r in spent} >= {("search-apps", "search-eu"), ("interactive", "batch")}, spent
     for variable in dashboard()["templating"]["list"]:
         if variable["type"] == "query":
             match = re.fullmatch(r"label_values\((.+), (\w+)\)", variable["query"])
@@ -101,6 +115,8 @@ def test_every_panel_query_and_rule_returns_data(stack):
             assert values, variable["name"]
             if variable["name"] == "endpoint":
                 assert {"chat", "completions", "responses", "messages", "generate_content", "ollama_chat"} <= set(values), values
+            if variable["name"] == "tenant":
+                assert set(values) == set(KEYS), values
     everything = rules() + rules(SLO_RULES)
     recorded, alerts = [r for r in everything if "record" in r], [r for r in everything if "alert" in r]
     # Production windows, evaluated directly: every recorded series has data (the burn-rate ratios are

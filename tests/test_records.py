@@ -209,3 +209,38 @@ def test_a_schema_1_file_is_moved_in_place_while_an_old_worker_keeps_writing(tmp
     assert store.pending() == 0 and len(stored) == 520 and all(r["id"].startswith(f"{r['instance']}/v1/") for r in stored)
     got = explain(gather([store]), objectives=fleet.OBJECTIVES)
     assert differences(got, explain_reference.explain(records, objectives=fleet.OBJECTIVES)) == []
+
+
+def test_a_version_2_file_migrates_while_an_old_worker_keeps_writing(tmp_path):
+    """Store version 3 (tenants) over a file of version 2: its columns added in place; a worker of
+    version 2 still running keeps writing (tenant unknown, no per-tenant sums); explain answers as
+    every record did, and `--by tenant` counts every record, the old ones as `unknown`."""
+    import explain_reference
+    import fleet
+    import schema2
+    from test_aggregate import differences
+
+    from proxy import ledger
+    from proxy.explain import explain, gather
+
+    path = str(tmp_path / "v2.sqlite")
+    records = list(fleet.records(400, time.time_ns() - 3 * 3600 * 10**9, 3 * 3600, models=4, instances=1, seed=9))
+    for record in records[340:]:
+        record.update(tenant="search", user="u-1")
+    store = SQLiteBackend(path)
+    store.open()
+    store.close()
+    old = sqlite3.connect(path, isolation_level=None)
+    schema2.downgrade(old, postgres=False)
+    schema2.write(old, records[:300], postgres=False)
+    store.open()  # this version's worker starts: version 3
+    assert old.execute("SELECT value FROM meta WHERE key = 'store_version'").fetchone() == ("3",)
+    schema2.write(old, records[300:340], postgres=False)  # the old worker, still running
+    store.write([Writer.row(orjson.dumps(r)) for r in records[340:]])
+    store.close()
+    got = explain(gather([store]), objectives=fleet.OBJECTIVES)
+    assert differences(got, explain_reference.explain(records, objectives=fleet.OBJECTIVES)) == []
+    tenants = ledger.gather([store])
+    assert {t: agg.requests for t, agg in tenants.items()} == {"unknown": 340, "search": 60}
+    assert ledger.mean(tenants["search"]) is not None and ledger.mean(tenants["unknown"]) is None  # (version 2 kept no sums)
+    assert [orjson.loads(d)["user"] for d in store.recent(10, Filters(tenant="search", user="u-1"))] == ["u-1"] * 10

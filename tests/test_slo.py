@@ -55,11 +55,28 @@ def test_a_good_file_parses_and_the_first_match_wins():
     ("objectives:\n  - name: a\n    models: [m\n    ttft: 1\n", 4, ""),  # broken YAML: the line the parser stopped at
     ("objectives: {}\n", 1, "expected `objectives:`"),
     ("objectives:\n  - name: a\n    models: [m]\n    e2e: 1\n    target: 0.9\n    window: soon\n", 2, "window must be a duration"),
+    ("objectives:\n  - name: a\n    tenants: []\n    e2e: 1\n    target: 0.9\n", 2, "tenants must be a non-empty list"),
+    ("objectives:\n  - name: a\n    tenants: [t]\n    e2e: 1\n    target: 0.9\n    page_per_tenant: yes please\n", 2,
+     "page_per_tenant must be true or false"),
 ])
 def test_a_broken_file_is_refused_with_its_line(text, line, words):
     with pytest.raises(ValueError) as error:
         parse(text, "slo.yaml")
     assert f"slo file slo.yaml, line {line}" in str(error.value) and words in str(error.value)
+
+
+def test_an_objective_selects_tenants_as_well_as_models():
+    objectives = parse("objectives:\n  - name: search\n    tenants: ['search-*']\n    ttft: 1\n    target: 0.99\n    page_per_tenant: true\n"
+                       "  - name: llama-search\n    models: [llama]\n    tenants: [search-eu]\n    ttft: 1\n    target: 0.99\n"
+                       "  - name: rest\n    models: ['*']\n    e2e: 30\n    target: 0.9\n")
+    search = objectives[0]
+    assert search.models == ("*",) and search.tenants == ("search-*",) and search.page_per_tenant and not objectives[2].page_per_tenant
+    slos = SLOs(objectives=objectives)
+    assert slos.pick("llama", "search-eu").name == "search"  # the first that matches both
+    assert slos.pick("llama", "batch").name == "rest" and slos.pick("qwen").name == "rest"  # (no tenant: `unknown`)
+    t = streaming_record()
+    t.status_code, t.tenant = 200, "search-us"
+    assert judge(t, slos).slo == "search"
 
 
 def judge(t, slos=None):

@@ -45,5 +45,6 @@ def test_finish_drops_the_gauge_at_once_and_a_burst_of_finishes_is_drained_whole
     assert in_flight == 500 and app.metrics.registry.get_sample_value("llmproxy_requests_in_flight", {"upstream": "127.0.0.1:9"}) == 0
     assert queued == 0  # nothing was exported inside finish() itself
     assert done == 500  # (records default to 1,000 kept)
-    labels = {"model": "m", "upstream": "127.0.0.1:9", "endpoint": "chat", "stream": "true", "api": "other", "outcome": "ok", "code": "200"}
+    labels = {"model": "m", "upstream": "127.0.0.1:9", "endpoint": "chat", "stream": "true", "api": "other", "outcome": "ok", "code": "200",
+              "tenant": "unknown"}
     assert app.metrics.registry.get_sample_value("llmproxy_requests_total", labels) == 500

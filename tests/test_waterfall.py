@@ -28,7 +28,9 @@ def test_the_waterfall_matches_the_records(proxy_factory, tmp_path):
     assert chromium, "chromium missing: run `make test` (it installs Debian's chromium package)"
     objectives = tmp_path / "slo.yaml"  # the 2,000-token prompt (400 ms of prefill) misses TTFT; the 500 is an error
     objectives.write_text("objectives:\n  - name: chat\n    models: [sim-7b]\n    ttft: 0.3\n    tpot: 0.05\n    target: 0.99\n")
-    proxy = proxy_factory(records_db=str(tmp_path / "records.sqlite"), slo=str(objectives))
+    tenants = tmp_path / "tenants.yaml"  # (a team behind its own gateway, known by a header; end users by another)
+    tenants.write_text("tenants:\n  - name: mobile\n    header: {name: x-team, values: [mobile]}\nusers:\n  header: x-end-user\n")
+    proxy = proxy_factory(records_db=str(tmp_path / "records.sqlite"), slo=str(objectives), tenants=str(tenants))
     with httpx.Client(base_url=proxy.v1, timeout=30) as client:
         for tokens, prompt, headers in ((20, 200, {}), (40, 2000, {"x-sim-decode-tps": "80"}), (10, 50, {"x-sim-hidden-reasoning": "15"}),
                                         (30, 800, {"x-sim-chunk-pattern": "3,1"}), (5, 100, {"x-sim-error-status": "500"})):
@@ -113,6 +115,20 @@ def test_the_waterfall_matches_the_records(proxy_factory, tmp_path):
             page.dispatch_event("#min_ttft", "change")
             page.wait_for_function(f"document.querySelectorAll('.row').length === {len(slow)}")
             assert len(slow) == 1 and slow[0]["prompt_tokens"] > 1900
+            # Who sent it: one tenant's requests, then one end user's (typed: there are many).
+            for user in ("u-7", "u-8"):
+                httpx.post(f"{proxy.v1}/chat/completions", json={"model": "sim-7b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+                           headers={"x-team": "mobile", "x-end-user": user}, timeout=30)
+            proxy.wait_records(len(proxy.records()) + 2)
+            page.goto(f"{proxy.url}/ui?tenant=mobile")
+            page.wait_for_selector("body[data-loaded=true]")
+            page.wait_for_function("document.querySelectorAll('.row').length === 2")
+            assert page.input_value("#tenant") == "mobile"
+            page.fill("#user", "u-7")
+            page.dispatch_event("#user", "change")
+            page.wait_for_function("document.querySelectorAll('.row').length === 1")
+            page.locator(".row").first.click()
+            page.wait_for_function("document.querySelector('#detail').innerText.includes('mobile, end user u-7')")
         finally:
             browser.close()
     print(f"\n{len(rows)} bars, worst segment {worst:.3f} px off its record; screenshot {ARTIFACT}")

@@ -78,14 +78,18 @@ class Filters:
     verdict: str = ""
     instance: str = ""
     min_ttft: float = 0.0
+    tenant: str = ""
+    user: str = ""  # the end user: a column of the records, not a dimension (the aggregates never see it)
 
     def equal(self) -> list[tuple[str, str]]:
         """(column, wanted value) for every filter that is an equality on a dimension (columns.DIMENSIONS)."""
-        return [(name, value) for name in ("model", "upstream", "outcome", "api", "slo", "verdict", "instance") if (value := getattr(self, name))]
+        return [(name, value) for name in ("model", "upstream", "outcome", "api", "slo", "verdict", "instance", "tenant")
+                if (value := getattr(self, name))]
 
     def match(self, record: dict[str, Any]) -> bool:
         """The same selection on a record in memory (records off)."""
         return all(record.get(name) == want for name, want in self.equal() if name != "verdict") \
+            and (not self.user or record.get("user") == self.user) \
             and (not self.verdict or record.get("slo_good") is (self.verdict == "good")) \
             and (not self.min_ttft or (record.get("ttft_s") or 0.0) >= self.min_ttft)
 

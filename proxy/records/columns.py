@@ -6,7 +6,7 @@ One definition, written by both stores (`sqlite.py`, `postgres.py`) and read by 
   end to end, the verdict, the fits' points), and every figure a percentile is read of: each phase,
   prompt and output tokens, decode tok/s, the concurrency a stream began decoding at; the record's
   `series` (a hash of what it is counted by: instance, model, upstream, API, endpoint, outcome,
-  objective, verdict, and what an SLO miss blamed) and `key` (a hash of its id: the sample's order,
+  objective, verdict, what an SLO miss blamed, and its tenant) and `key` (a hash of its id: the sample's order,
   and with the end time the key that stores it once).
 - **figures** (`FIGURES`): each a code, the records it is read over (its population) and an SQL
   expression of the columns. A figure's value counts in a logarithmic bucket of ratio `GAMMA`, so
@@ -44,10 +44,12 @@ EXACT = frozenset({LEVEL})  # counted by value, not in a log bucket (64-67: rese
 # The typed columns, in the order `values` gives them (the stores' schemas declare them in this order).
 # What `series` hashes. `blame`: an SLO miss's objectives and the phase each blamed ("tpot=decode;ttft=prefill"),
 # few distinct, so the misses by blamed phase are counted exactly with the rest.
-DIMENSIONS = ("instance", "model", "upstream", "api", "endpoint", "outcome", "slo", "verdict", "blame")
+# `tenant` (tenants.py: few) is a dimension; the end user (many) is only a column the list filters on.
+DIMENSIONS = ("instance", "model", "upstream", "api", "endpoint", "outcome", "slo", "verdict", "blame", "tenant")
 REALS = ("ttft_s", "duration_s", "decode_tps", *(f"ph_{p}" for p in PHASES), "px", "py", "dx", "dy")
 INTEGERS = ("completion", "prompt", "output", "in_flight")
-COLUMNS = ("rid", "key", "ended_ns", "received_ns", "series", *DIMENSIONS, *REALS, *INTEGERS)
+TEXTS = ("user_id",)  # (not `user`: a reserved word in PostgreSQL)
+COLUMNS = ("rid", "key", "ended_ns", "received_ns", "series", *DIMENSIONS, *REALS, *INTEGERS, *TEXTS)
 
 OK = "outcome = 'ok'"
 STREAM = "outcome = 'ok' AND ttft_s IS NOT NULL"
@@ -139,7 +141,7 @@ def values(rid: str, record: dict[str, Any]) -> tuple[Any, ...]:
     blame = get("slo_blame")
     dims = (str(get("instance") or ""), record["model"], get("upstream") or "", get("api") or "other", get("endpoint") or "other",
             record["outcome"], get("slo") or "", "" if good is None else "good" if good else "miss",
-            ";".join(f"{missed}={blamed}" for missed, blamed in sorted(blame.items())) if blame else "")
+            ";".join(f"{missed}={blamed}" for missed, blamed in sorted(blame.items())) if blame else "", get("tenant") or "unknown")
     phases = get("phases_s") or {}
     completion = get("completion_tokens")
     ttft, tps = get("ttft_s"), get("decode_tokens_per_second")
@@ -147,4 +149,4 @@ def values(rid: str, record: dict[str, Any]) -> tuple[Any, ...]:
             None if ttft is None else float(ttft), duration, None if tps is None else float(tps),
             *[None if (v := phases.get(p)) is None else float(v) for p in PHASES], *(prefill_point(record) or (None, None)),
             *(decode_point(record) or (None, None)), int(completion or 0), get("prompt_tokens"),
-            completion - (get("hidden_reasoning_tokens") or 0) if completion else None, get("in_flight_at_decode"))
+            completion - (get("hidden_reasoning_tokens") or 0) if completion else None, get("in_flight_at_decode"), get("user") or None)

@@ -44,7 +44,7 @@ from . import columns as C
 from . import sql as A
 from .partitions import ROLLUP, TABLE, Partitions
 
-STORE_VERSION = 2
+STORE_VERSION = 3  # 3: the tenant and the end user (columns), the rollup's tenant and its sums for a mean request
 LEGACY = "llmproxy_requests"  # schema 1's table
 MIGRATE_LOCK, RETAIN_LOCK = 0x6C6D7001, 0x6C6D7002  # advisory locks ("lm" p n; 3: partitions.py)
 COMPACT_LOCK = 0x6C6D7004  # one per block or hour: (this, its start / its span, + 2^30 for an hour)
@@ -52,9 +52,11 @@ RETAIN_EVERY_S = 5.0
 MOVE_CHUNK = 5000
 BUDGET_S = 2.0  # what one retention pass may spend compacting hours and moving schema 1's records in
 NAMES = (*C.COLUMNS, "data")
-TYPES: dict[str, str] = {**{c: "float8" for c in C.REALS}, **{c: "integer" for c in C.INTEGERS}, **{c: "text" for c in (*C.DIMENSIONS, "rid")},
+TYPES: dict[str, str] = {**{c: "float8" for c in C.REALS}, **{c: "integer" for c in C.INTEGERS}, **{c: "text" for c in (*C.DIMENSIONS, *C.TEXTS, "rid")},
          **{c: "bigint" for c in ("key", "ended_ns", "received_ns", "series")}}
 COPY_TYPES = [TYPES.get(name, "bytea") for name in NAMES]
+INDEXES_V3 = (f"CREATE INDEX IF NOT EXISTS {TABLE}_tenant ON {TABLE} (tenant, ended_ns)",  # a quiet tenant's or a user's newest
+              f"CREATE INDEX IF NOT EXISTS {TABLE}_user ON {TABLE} (user_id, ended_ns) WHERE user_id IS NOT NULL")
 SCHEMA = (
     "CREATE TABLE IF NOT EXISTS llmproxy_meta (key text PRIMARY KEY, value text NOT NULL)",
     # The records: the typed columns (columns.py: rid, key, the end time that is the partition key, the
@@ -70,6 +72,7 @@ SCHEMA = (
     f"CREATE INDEX IF NOT EXISTS {TABLE}_failed ON {TABLE} (outcome, ended_ns) WHERE outcome <> 'ok'",
     f"CREATE INDEX IF NOT EXISTS {TABLE}_miss ON {TABLE} (ended_ns) WHERE verdict = 'miss'",
     f"CREATE INDEX IF NOT EXISTS {TABLE}_ttft ON {TABLE} (ttft_s)",
+    *INDEXES_V3,
     # The aggregates (sql.py), each keyed by the start of its block or hour (ns), partitioned by day.
     f"""CREATE TABLE IF NOT EXISTS {ROLLUP} (start bigint NOT NULL, series bigint NOT NULL,
         {', '.join(f'{name} text NOT NULL' for name in C.DIMENSIONS)},
@@ -82,7 +85,14 @@ SCHEMA = (
     "CREATE TABLE IF NOT EXISTS llmproxy_compacted (span bigint NOT NULL, start bigint NOT NULL, at_ns bigint NOT NULL, PRIMARY KEY (span, start))",
     "CREATE TABLE IF NOT EXISTS llmproxy_dirty (span bigint NOT NULL, start bigint NOT NULL, PRIMARY KEY (span, start))",
 )
-MIGRATIONS: dict[int, tuple[str, ...]] = {}  # store version N -> the statements that make it N + 1 (none yet)
+# Store version N -> the statements that make it N + 1. 2 -> 3: columns (catalog changes, no rewrite) and two indexes; a
+# replica of version 2 still running keeps writing (tenant null; `unknown` in the rollup), one restarted refuses the store.
+MIGRATIONS: dict[int, tuple[str, ...]] = {2: (
+    f"ALTER TABLE {TABLE} ADD COLUMN IF NOT EXISTS tenant text, ADD COLUMN IF NOT EXISTS user_id text",
+    f"ALTER TABLE {ROLLUP} ADD COLUMN IF NOT EXISTS tenant text NOT NULL DEFAULT 'unknown', "
+    + ", ".join(f"ADD COLUMN IF NOT EXISTS {name} {'float8' if name.endswith(A.FLOATS) else 'bigint'}" for name in A.V3_SUMS),
+    *INDEXES_V3,
+)}
 # A batch's rows: the keys in its time range (one index range; keys are hashes of unique ids).
 BATCH_ROWS = "ended_ns >= ? AND ended_ns <= ?"
 HELD = A.POSTGRES.sql(f"SELECT key, ended_ns FROM {TABLE} WHERE {BATCH_ROWS}")
@@ -378,6 +388,9 @@ class PostgresBackend:
 def _where(filters: Filters) -> tuple[str, list[Any]]:
     where = [f"{name} = %s" for name, _ in filters.equal()]
     args: list[Any] = [value for _, value in filters.equal()]
+    if filters.user:
+        where.append("user_id = %s")
+        args.append(filters.user)
     if filters.min_ttft:
         where.append("ttft_s >= %s")
         args.append(filters.min_ttft)

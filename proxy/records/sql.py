@@ -55,9 +55,14 @@ SUMS = (
     *((f"{name}_n", f"count({column})", "sum") for name, column in C.SUMMARY_VALUES.items()),
     *((f"{name}_le_{i}", f"sum(CASE WHEN {C.SUMMARY_VALUES[name]} <= {bound!r} THEN 1 ELSE 0 END)", "sum")
       for name, bounds in C.SUMMARY_BOUNDS.items() for i, bound in enumerate(bounds)),
+    # (store version 3) What a group's mean request is made of, exactly: prompt tokens, and the seconds
+    # of each phase, TTFT and end to end (`explain --by tenant`: whose prompts are long, whose requests queue).
+    ("prompt", "sum(prompt)", "sum"),
+    *((f"{name}_sum", f"sum({column})", "sum") for name, column in (("ttft", "ttft_s"), ("e2e", "duration_s"), *((p, f"ph_{p}") for p in C.PHASES))),
 )
+V3_SUMS = ("prompt", *(f"{name}_sum" for name in ("ttft", "e2e", *C.PHASES)))  # the columns store version 3 added
 FIT_PARTS = tuple(part for part, _ in _FIT)
-FLOATS = ("_x", "_y", "_xx", "_xy", "_yy", "load_max")  # the real-valued sums (the rest are integers)
+FLOATS = ("_x", "_y", "_xx", "_xy", "_yy", "load_max", "_sum")  # the real-valued sums (the rest are integers)
 
 
 @dataclass(frozen=True)

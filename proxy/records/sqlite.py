@@ -31,14 +31,14 @@ from . import codec
 from . import columns as C
 from . import sql as A
 
-STORE_VERSION = 2
+STORE_VERSION = 3  # 3: the tenant and the end user (columns), the rollup's tenant and its sums for a mean request
 DEFAULT_MAX_ROWS = 1_000_000
 RETAIN_EVERY_S = 1.0
 MOVE_CHUNK = 5000
 BUDGET_S = 1.0  # what one retention pass may spend compacting hours and moving schema 1's records in
 NAMES = (*C.COLUMNS, "data")
 TYPES = {**{c: "REAL" for c in C.REALS}, **{c: "INTEGER" for c in (*C.INTEGERS, "key", "ended_ns", "received_ns", "series")},
-         **{c: "TEXT" for c in (*C.DIMENSIONS, "rid")}}
+         **{c: "TEXT" for c in (*C.DIMENSIONS, *C.TEXTS, "rid")}}
 SUM_COLUMNS = ", ".join(f"{name} {'REAL' if name.endswith(A.FLOATS) else 'INTEGER'}" for name, _, _ in A.SUMS)
 SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -50,6 +50,8 @@ CREATE TABLE IF NOT EXISTS llmproxy_records (
 CREATE UNIQUE INDEX IF NOT EXISTS llmproxy_records_key ON llmproxy_records (ended_ns, key);
 CREATE INDEX IF NOT EXISTS llmproxy_records_model ON llmproxy_records (model, upstream, ended_ns, key, px, py, dx, dy);
 CREATE INDEX IF NOT EXISTS llmproxy_records_sample ON llmproxy_records (model, upstream, ended_ns, key, px, py, dx, dy) WHERE key < {A.SAMPLED};
+CREATE INDEX IF NOT EXISTS llmproxy_records_tenant ON llmproxy_records (tenant, ended_ns);
+CREATE INDEX IF NOT EXISTS llmproxy_records_user ON llmproxy_records (user_id, ended_ns) WHERE user_id IS NOT NULL;
 CREATE TABLE IF NOT EXISTS llmproxy_rollup (start INTEGER NOT NULL, series INTEGER NOT NULL,
     {', '.join(f'{name} TEXT NOT NULL' for name in C.DIMENSIONS)}, {SUM_COLUMNS}, PRIMARY KEY (start, series)) WITHOUT ROWID;
 """ + "".join(f"""CREATE TABLE IF NOT EXISTS {table} (start INTEGER NOT NULL, {', '.join(f'{d} TEXT NOT NULL' for d in A.HIST_DIMS)},
@@ -81,14 +83,25 @@ def connect(path: str, timeout: float = 5.0, readonly: bool = False) -> sqlite3.
     return db
 
 
+# Store version N -> the statements that make it N + 1 (columns added: an older file keeps its rows).
+MIGRATIONS = {2: ("ALTER TABLE llmproxy_records ADD COLUMN tenant TEXT", "ALTER TABLE llmproxy_records ADD COLUMN user_id TEXT",
+                  "ALTER TABLE llmproxy_rollup ADD COLUMN tenant TEXT NOT NULL DEFAULT 'unknown'",
+                  *(f"ALTER TABLE llmproxy_rollup ADD COLUMN {name} {'REAL' if name.endswith(A.FLOATS) else 'INTEGER'}" for name in A.V3_SUMS))}
+
+
 def migrate(db: sqlite3.Connection) -> None:
-    """Create this schema beside an older one (moved in by `retain`), or refuse a newer one (never rewrite it)."""
+    """Create this schema beside an older one (moved in by `retain`), bring an older version of it
+    up (`MIGRATIONS`), or refuse a newer one (never rewrite it)."""
     has_meta = db.execute("SELECT 1 FROM sqlite_master WHERE name = 'meta'").fetchone() is not None
     row = db.execute("SELECT value FROM meta WHERE key = 'store_version'").fetchone() if has_meta else None
     if row is not None and int(row[0]) > STORE_VERSION:
         raise sqlite3.DatabaseError(f"records store version {row[0]} is newer than this proxy's {STORE_VERSION}")
+    for step in range(int(row[0]) if row is not None else STORE_VERSION, STORE_VERSION):  # (in the caller's transaction)
+        for statement in MIGRATIONS[step]:
+            db.execute(statement)
     db.executescript(SCHEMA)
-    db.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('store_version', ?)", (str(STORE_VERSION),))
+    db.execute("INSERT INTO meta (key, value) VALUES ('store_version', ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+               (str(STORE_VERSION),))
 
 
 def _legacy(db: sqlite3.Connection) -> bool:
@@ -271,6 +284,9 @@ class SQLiteBackend:
 def _where(filters: Filters) -> tuple[str, list[Any]]:
     where = [f"{name} = ?" for name, _ in filters.equal()]
     args: list[Any] = [value for _, value in filters.equal()]
+    if filters.user:
+        where.append("user_id = ?")
+        args.append(filters.user)
     if filters.min_ttft:
         where.append("ttft_s >= ?")
         args.append(filters.min_ttft)

@@ -31,9 +31,14 @@ def test_demo_prints_the_measured_split():
     # Every request judged: the long prompts (5,000 and 10,000 tokens) and the hidden reasoning miss TTFT, each blamed on
     # its phase; the batching engine misses TPOT at 12 streams (decode), and its capacity is the law's 11 streams within 10%.
     interactive, batched = slos
-    assert interactive[0] == "interactive" and interactive[2] == "12" and interactive[7] == "ttft: prefill 2, reasoning 1"
+    # (and the two applications' requests: search's 8,000-token prompt misses TTFT on prefill, batch's long answer meets it)
+    assert interactive[0] == "interactive" and interactive[2] == "14" and interactive[7] == "ttft: prefill 3, reasoning 1"
     assert batched[0] == "batched" and batched[7].startswith("tpot: decode ") and batched[8].endswith("streams (peak 12)")
     assert 9.9 <= float(batched[8].split()[0]) <= 12.1, batched
     # It ends with `explain` over its own traffic (read back from its records database) and the page's address.
     assert "llm-latency-proxy explain --db" in out.stdout and "== sim-7b @ 127.0.0.1:" in out.stdout
     assert "prefill: " in out.stdout and "dominates" in out.stdout and "/ui" in out.stdout
+    # Then `explain --by tenant`: the application with long prompts, its misses blamed on prefill; the one with long answers.
+    assert "--by tenant" in out.stdout and "== tenant search: 1 requests" in out.stdout and "== tenant batch: 1 requests" in out.stdout
+    assert "search: 1 misses, 100% blamed on prefill" in out.stdout and "search: prompts are long" in out.stdout
+    assert "batch: outputs are long" in out.stdout

@@ -144,8 +144,12 @@ def test_every_request_attributed_to_its_tenant_and_user_and_no_key_anywhere(pro
     caplog.set_level(logging.INFO, logger="llmproxy")
 
     async def traffic() -> None:
-        clients = {key: openai.AsyncOpenAI(base_url=proxy.v1, api_key=key, max_retries=0) for key in keys}
-        claudes = {key: anthropic.AsyncAnthropic(base_url=proxy.url, api_key=key, max_retries=0) for key in keys}
+        # One connection pool per API, each application's client on it with its own key (a pool per key would leave
+        # connections idle past the server's keep-alive while the others are busy, and a reuse racing its close fails).
+        base = openai.AsyncOpenAI(base_url=proxy.v1, api_key=keys[0], max_retries=0)
+        clients = {key: base.with_options(api_key=key) for key in keys}
+        claude_base = anthropic.AsyncAnthropic(base_url=proxy.url, api_key=keys[0], max_retries=0)
+        claudes = {key: claude_base.with_options(api_key=key) for key in keys}
         semaphore = asyncio.Semaphore(24)
 
         async def one(i: int) -> None:
@@ -166,6 +170,7 @@ def test_every_request_attributed_to_its_tenant_and_user_and_no_key_anywhere(pro
                                                                extra_headers={**headers, "x-end-user": user})
 
         await asyncio.gather(*(one(i) for i in range(USERS)))
+        assert all(c._client is base._client for c in clients.values()) and all(c._client is claude_base._client for c in claudes.values())
 
     asyncio.run(traffic())
     proxy.assert_all_finished(timeout=30)

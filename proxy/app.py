@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request, Response
 from prometheus_client import CollectorRegistry
 from starlette.types import Receive, Scope, Send
 
-from . import apis, records
+from . import apis, forecast, records
 from .records.aggregate import summary as summarise
 from .acceptor import ProxyLoop
 from .admission import Admission, raise_open_files_limit
@@ -144,8 +144,8 @@ class ProxyApp:
 
     async def _models(self, send: Send) -> None:
         """GET /v1/models with --routes: the models the routes name (OpenAI's list shape)."""
-        body = orjson.dumps({"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": ",".join(names)}
-                                                        for m, names in sorted(self.router.exact.items())]})
+        body = orjson.dumps({"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": ",".join(rule.upstreams)}
+                                                        for m, rule in sorted(self.router.exact.items())]})
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
@@ -215,6 +215,7 @@ class ProxyApp:
         descriptors takes ms). Nothing wakes an idle proxy to keep them fresh."""
         self.metrics.child("llmproxy_read_ahead_bytes").set(self.router.budget.used)
         self.metrics.pools({u.label: (u.in_use, u.idle, u.limit) for u in list(self.router.upstreams.values())})
+        self.metrics.predictions(forecast.predictions((u.label, u.forecast) for u in list(self.router.upstreams.values())))
         try:
             self.metrics.child("llmproxy_open_fds").set(_open_fds())
         except OSError:  # no /proc (not Linux), or out of descriptors for the listing itself

@@ -263,6 +263,18 @@ def parse_yaml(text: str, where: str) -> Any:
         raise ValueError(f"{where}{f', line {mark.line + 1}' if mark is not None else ''}: {getattr(exc, 'problem', None) or exc}") from None
 
 
+def checked_entry(spec: Any, where: str, keys: tuple[str, ...], what: str) -> str:
+    """One entry of such a file (an objective, a route, a tenant): a mapping of known keys only (a
+    typo is refused, never ignored); `where` with the entry's line, for the next message."""
+    if not isinstance(spec, dict):
+        raise ValueError(f"{where}: each {what} must be a mapping, not {spec!r}")
+    where = f"{where}, line {spec.pop('__line__', '?')}"
+    unknown = sorted(set(spec) - set(keys))
+    if unknown:
+        raise ValueError(f"{where}: {what} has unknown keys {unknown} (known: {', '.join(keys)})")
+    return where
+
+
 def read_text(path: str, where: str) -> str:
     """A configuration file's text; ValueError (`where`: what the file is) when it cannot be read."""
     try:

@@ -80,6 +80,8 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("llmproxy_upstream_pool_connections", "gauge", "Connections of the proxy's own pool to each upstream now, by state: in_use (lent to a request) or idle (kept for reuse); over llmproxy_upstream_pool_limit, how full the pool is (read at each scrape; with workers, each worker's every second).", ("upstream", "state")),
     MetricDef("llmproxy_upstream_pool_limit", "gauge", "The size of the proxy's pool per upstream, summed over worker processes: --max-connections, else --max-in-flight, else the streams the open files limit holds.", ("upstream",)),
     MetricDef("llmproxy_upstream_pool_waits", "counter", "Requests that found the upstream's pool full, by result: waited (they got a connection within --pool-timeout; that wait is the phase `wait`, the proxy's own) or refused (503 proxy_overloaded, reason pool). Any at all: the proxy's own pool is the bottleneck, not the network or the engine.", ("upstream", "result")),
+    MetricDef("llmproxy_failovers", "counter", "Attempts abandoned for another replica of the route, by the replica abandoned and why: connect_error, broken (the connection failed before anything reached the client), status_5xx, status_429, deadline (no content token by the route's first_token_deadline). Their time is the phase failover; each request's attempts are in its record.", ("model", "upstream", "reason")),
+    MetricDef("llmproxy_upstream_predicted_ttft_seconds", "gauge", "Each replica's predicted server time to first token for a 1,000-token prompt sent now: its pending prompt work and its own recent requests' prefill fit (pick: predicted_ttft; read at each scrape). What an external endpoint picker could use too.", ("upstream",)),
     MetricDef("llmproxy_telemetry_errors", "counter", "Failures inside metrics, tracing, tokenizer, records, the SLO verdict or OTLP exports (otlp_export: spans, otlp_metrics: metrics); the request itself was unaffected.", ("component",)),
     MetricDef("llmproxy_records_written", "counter", "Per-request records written to the records store (--records-db).", ()),
     MetricDef("llmproxy_records_buffered", "gauge", "Per-request records waiting to be written to the records store now (the store is down or slow when it grows).", ()),
@@ -239,6 +241,8 @@ class ProxyMetrics:
             child("llmproxy_unmeasured_requests", upstream, t.unmeasured).inc()
         if t.outcome == "overloaded":
             child("llmproxy_requests_rejected", upstream, t.error.rpartition(":")[2]).inc()
+        for attempt in t.attempts:
+            child("llmproxy_failovers", model, attempt.upstream, attempt.reason).inc()
         if t.pool_full:
             child("llmproxy_upstream_pool_waits", upstream, "refused" if t.error == "proxy_overloaded:pool" else "waited").inc()
         for step, seconds in (b.connect.items() if b is not None else ()):
@@ -340,6 +344,15 @@ class ProxyMetrics:
         for reason in ("descriptors", "memory"):
             self.child("llmproxy_accept_pauses", reason)
         return lambda reason: self.child("llmproxy_accept_pauses", reason).inc()
+
+    def predictions(self, seconds: dict[str, float]) -> None:
+        """Each replica's predicted TTFT now (forecast.py); a replica with none (or no longer routed) has no series."""
+        for (name, *labels), _ in list(self._bound.items()):
+            if name == "llmproxy_upstream_predicted_ttft_seconds" and labels[0] not in seconds:
+                self.m[name].remove(*labels)
+                del self._bound[(name, *labels)]
+        for label, value in seconds.items():
+            self.child("llmproxy_upstream_predicted_ttft_seconds", label).set(value)
 
     def pools(self, upstreams: dict[str, tuple[int, int, int]]) -> None:
         """Each upstream pool's (in use, idle, limit) now; the gauges of an upstream no longer routed go."""

@@ -16,6 +16,12 @@ limit is moved at most once per sixteenth of itself. Two ways, one set of steps:
   every stream. It also ends the response.
 
 The order is kept: the fast way is taken only when nothing is read ahead and no send is under way.
+
+Held (a route with a first-token deadline, which may still send the request to another replica):
+until the first content token, nothing goes to the client, not even the response's start; each
+piece is noted and kept, and the first content (any body, for a response that is not a stream)
+releases them all at once (`release`: the start, then the pieces kept), after which the pump runs
+as above. The client waits for that token anyway, so holding costs it nothing.
 """
 from __future__ import annotations
 
@@ -45,10 +51,11 @@ NON_STREAM_BODY_LIMIT = 16 * 1024 * 1024  # bytes kept for reading usage from a 
 
 class Pump:
     __slots__ = ("t", "send", "reader", "rewrite", "framed", "json_body", "kept", "silence", "loop", "idle", "grace", "grace_ns",
-                 "move_at_ns", "decoding", "sending", "writer")
+                 "move_at_ns", "decoding", "sending", "writer", "held", "release", "on_first")
 
     def __init__(self, t: RequestTiming, send: Callable[[dict[str, Any]], Awaitable[None]], reader: Reader | None, rewrite: bool,
-                 json_body: list[bytes] | None, silence: asyncio.Timeout | None, idle_s: float, writer: BodyWriter | None) -> None:
+                 json_body: list[bytes] | None, silence: asyncio.Timeout | None, idle_s: float, writer: BodyWriter | None,
+                 release: Callable[[], Awaitable[None]] | None = None, on_first: Callable[[], None] | None = None) -> None:
         self.t, self.send, self.reader, self.rewrite, self.json_body = t, send, reader, rewrite, json_body
         self.framed = reader is not None and reader.decoder is not None
         self.kept = 0
@@ -62,6 +69,9 @@ class Pump:
         self.decoding = bool(t.content_ns)
         self.sending = False  # handing bytes to a client that is not taking them (a timeout now is the client's: client_slow)
         self.writer = writer if writer is not None and writer.chunked else None  # None: every piece through the ASGI send
+        self.release = release  # held: sends the response's start when the first content comes (None: sent already)
+        self.held: list[bytes] | None = [] if release is not None else None
+        self.on_first = on_first  # told when the first content token came (the replica's pending prefill work)
 
     def _moved(self, now: int) -> None:
         """Move the inter-chunk limit (called when `move_at_ns` is past, or at the first token)."""
@@ -83,6 +93,34 @@ class Pump:
         """This piece held the first token: when it was handed on; the inter-chunk limit starts."""
         self.decoding, self.t.first_sent_ns = True, sent
         self._moved(sent)
+        if self.on_first is not None:
+            self.on_first()
+
+    async def _hold(self, chunk: bytes, now: int) -> bool:
+        """Held: note the piece and keep it; at the first content (any body, unframed) release it all. True: released."""
+        held = self.held
+        assert held is not None and self.release is not None
+        if self.rewrite:
+            held.append(self.reader.rewrite(chunk, now))  # type: ignore[union-attr]
+        else:
+            held.append(chunk)
+            self._noted(chunk, now)
+        if self.t.content_ns or not self.framed:
+            await self._release_held()
+            return True
+        return False
+
+    async def _release_held(self) -> None:
+        """The response's start and every piece kept, at once."""
+        assert self.held is not None and self.release is not None
+        await self.release()
+        body, self.held = b"".join(self.held), None
+        sent = now_ns()
+        self.sending = True
+        await self.send({"type": "http.response.body", "body": body, "more_body": True})
+        self.sending = False
+        if self.t.content_ns:
+            self._first_token(sent)
 
     def forward(self, chunk: bytes, now: int) -> bool:
         """The fast way, in the upstream protocol's callback; False: not now (the task's loop takes it)."""
@@ -108,10 +146,14 @@ class Pump:
     async def run(self, response: Connection) -> None:
         """The task's loop: the pieces the fast way did not take, then the end of the response."""
         t, send, read = self.t, self.send, response.read
-        response.fast = self.forward if self.writer is not None else None
+        response.fast = self.forward if self.writer is not None and self.held is None else None
         try:
             while chunk := await read():
                 now = response.read_ns  # when the bytes came off the socket (connection.py), not when this task woke
+                if self.held is not None:
+                    if await self._hold(chunk, now) and self.writer is not None:
+                        response.fast = self.forward  # released: the fast way from now on
+                    continue
                 decoding = self.decoding
                 if decoding and now > self.move_at_ns:
                     self._moved(now)
@@ -138,6 +180,8 @@ class Pump:
         finally:
             response.fast = None
         t.upstream_end_ns = now = response.read_ns or now_ns()
+        if self.held is not None:  # ended without content (an empty answer): what there was, now
+            await self._release_held()
         self.sending = True  # the upstream is done: a timeout from here on is the client's
         if self.reader is not None and (out := self.reader.flush(now, self.rewrite)):
             await send({"type": "http.response.body", "body": out, "more_body": True})

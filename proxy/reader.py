@@ -24,7 +24,7 @@ from .sse import EventTooLarge
 
 if TYPE_CHECKING:
     from .apis import Dialect
-    from .telemetry import RequestContext
+    from .context import RequestContext
 
 log = logging.getLogger("llmproxy.relay")
 

@@ -1,4 +1,5 @@
-"""The relay: one request in, one upstream exchange, bytes out as they arrive. The hot path.
+"""The relay: one request in, an upstream exchange (on a route with retries, one per replica tried
+until one answers: placement.py), bytes out as they arrive. The hot path.
 
 API-agnostic: the request path resolves to a route of one dialect (`proxy/apis/`), which reads
 the request and says what each event means. The loop in `_stream` timestamps each upstream read,
@@ -25,12 +26,15 @@ from .compression import DecodeError, Decoder
 from .config import Settings
 from .engine import from_llamacpp, from_tgi, from_vllm
 from .errors import ModelNotRouted, ProxyError, ProxyOverloaded, TransportError, UpstreamTimeout, map_transport_error
+from .forecast import tokens
+from .placement import Placement
+from .retry import FailOver
 from .reader import Reader
 from .request import ClientGone, check_request, filter_headers, header, read_body
 from .framing import framer
 from .pump import Pump
-from .telemetry import RequestContext
-from .timing import STAMPS, RequestTiming, now_ns
+from .context import RequestContext
+from .timing import STAMPS, RequestTiming, note_slow_client, now_ns
 
 if TYPE_CHECKING:
     from .admission import Admission
@@ -77,7 +81,10 @@ class Exchange:
         self.pump: Pump | None = None  # the hot path of a streamed response (pump.py)
         self.reader: Reader | None = None  # what the response's bytes meant (made when its headers arrive)
         self.response: Connection | None = None
-        self.upstream: Upstream | None = None  # chosen by model once the body is parsed
+        self.place: Placement | None = None  # which replica of its route it is on (made once the body is parsed)
+        self.task: asyncio.Task[Any] | None = None
+        self.failing_over = ""  # why the deadline abandons the attempt ("": it does not)
+        self.held_start: tuple[int, list[tuple[bytes, bytes]]] | None = None  # a held response's start, sent at its first content
         self.route = apis.OTHER  # what the path means: its API (dialect) and endpoint
         self.json_body: list[bytes] | None = None
         self.body_encoding = b"identity"
@@ -87,7 +94,7 @@ class Exchange:
 
     async def run(self) -> None:
         t, app = self.t, self.app
-        task = asyncio.current_task()
+        task = self.task = asyncio.current_task()
         assert task is not None
         watcher: asyncio.Task[None] | None = None
         admitted = False
@@ -124,25 +131,12 @@ class Exchange:
                 watcher.cancel()
             if t.response_end_ns is None:
                 t.response_end_ns = now_ns()
-            self._note_slow_client()
-            if self.upstream is not None:
-                self.upstream.in_flight -= 1
+            note_slow_client(t, self.stamps, self.response)
+            if self.place is not None and self.place.upstream is not None:
+                self.place.finish()
                 if self.response is not None:
-                    self.upstream.release(self.response)  # mid-body: aborts the connection (so vLLM stops) and frees its read-ahead
+                    self.place.upstream.release(self.response)  # mid-body: aborts the connection (so vLLM stops) and frees its read-ahead
             app.telemetry.finish(self.ctx)
-
-    def _note_slow_client(self) -> None:
-        """When the client did not take bytes as fast as they came (the server protocol's stamps), and
-        whether the upstream's reading was held back for it: its later stamps may be the client's
-        pace, so the request is marked and kept out of the decode figures."""
-        t, stamps = self.t, self.stamps
-        t.client_blocked = list(stamps.get("blocked", ()))
-        if stamps.get("paused_ns"):  # still paused at the end (the client left, or was cut)
-            t.client_blocked.append((stamps["paused_ns"], t.response_end_ns or now_ns()))
-        response = self.response
-        if response is not None and response.held_back:
-            t.held_s = response.held_s
-            t.unmeasured = t.unmeasured or "client_backpressure"
 
     async def _watch(self, task: asyncio.Task[Any]) -> None:
         while True:
@@ -170,26 +164,18 @@ class Exchange:
         if route.stream is not None:  # the path says (Gemini)
             t.stream = route.stream
         t.user = app.tenants.user(self.scope["headers"], parsed)
-        upstream = app.router.pick(t.model)
-        if upstream is None:
+        rule = app.router.route(t.model)
+        upstream = app.router.choose(rule, tokens(len(body))) if rule is not None else None
+        if rule is None or upstream is None:
             raise ModelNotRouted(f"the model `{t.model}` is not routed by this proxy (see its routing file)")
-        self.upstream, ctx.upstream, ctx.server = upstream, upstream.label, (upstream.host, upstream.port)
-        upstream.in_flight += 1
+        rule.budget.request()
+        self.place = Placement(app.router, app.telemetry, ctx, rule, tokens(len(body)))
+        self.place.use(upstream)
         if parsed is not None:
             ctx.request, ctx.request_size = (None if parsed.get("_partial") else parsed), len(body)
-            if (t.stream and app.settings.inject_usage and dialect.injects_usage and not upstream.reports_counts
-                    and not upstream.rejects_stream_options):
-                new_body = dialect.inject(route.endpoint, parsed, body)
-                if new_body is not None:
-                    body, self.injected = new_body, True
-        # Where the proxy may rewrite a stream, it asks for one it can rewrite.
-        identity = self.injected or app.settings.strip_engine_fields
-        headers = app.upstream_headers(self.scope["headers"], len(body), upstream, dialect, identity)
         app.telemetry.start(ctx, self.scope["headers"])
-        if ctx.spans is not None:
-            headers.append((b"traceparent", ctx.spans.traceparent()))
         self.relaying = True
-        await self._exchange(body, original, headers)
+        await self._exchange(parsed, original)
         self.relaying = False  # the response is complete: a client closing now is not a disconnect
         if self.json_body:
             ctx.body = info = await app.offload.response(dialect.name, self.json_body, self.body_encoding)
@@ -201,14 +187,46 @@ class Exchange:
         if t.stream and t.engine is not None and t.engine.predicted_tokens is not None and t.engine.source == "llama.cpp":
             upstream.reports_counts = True
 
-    async def _exchange(self, body: bytes, original: bytes, headers: list[tuple[bytes, bytes]]) -> None:
-        t = self.t
-        upstream = self.upstream
-        assert upstream is not None
+    @property
+    def upstream(self) -> Upstream | None:
+        """The replica the request is on now."""
+        return self.place.upstream if self.place is not None else None
+
+    async def _exchange(self, parsed: dict[str, Any] | None, original: bytes) -> None:
+        """Attempts, each on another replica of the route, until one is not abandoned (retry.py)."""
+        while True:
+            assert self.place is not None
+            body, self.injected = self.place.body(parsed, original, self.route, self.app.settings.inject_usage)
+            # Where the proxy may rewrite a stream, it asks for one it can rewrite.
+            headers = self.app.upstream_headers(self.scope["headers"], len(body), self.place.upstream, self.route.dialect,  # type: ignore[arg-type]
+                                                self.injected or self.app.settings.strip_engine_fields)
+            if self.ctx.spans is not None:
+                headers.append((b"traceparent", self.ctx.spans.traceparent()))
+            try:
+                await self._attempt(body, original, headers)
+                return
+            except FailOver as why:
+                assert self.place is not None
+                self.place.fail_over(why.reason, self.response)
+                self.response = self.reader = self.pump = self.json_body = self.held_start = None
+                self.failing_over = ""
+
+    def _on_deadline(self) -> None:
+        """The route's first-token deadline: no content yet, and another attempt allowed: abandon this one."""
+        if not self.t.content_ns and not self.started and not self.client_gone and self.task is not None and self.place is not None \
+                and self.place.may_retry():
+            self.failing_over = "deadline"
+            self.task.cancel()
+
+    async def _attempt(self, body: bytes, original: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+        t, upstream = self.t, self.upstream
+        assert upstream is not None and self.place is not None
+        rule = self.place.rule
         limit = upstream.first_token_timeout
         query = self.route.dialect.upstream_query(self.scope.get("query_string", b""), upstream.key is not None or bool(self.app.client_keys))
         url = upstream.target(self.scope["path"], query)
         loop = asyncio.get_running_loop()
+        deadline = loop.call_later(rule.first_token_deadline, self._on_deadline) if rule.first_token_deadline and rule.retries else None
         try:
             async with asyncio.timeout_at(loop.time() + limit) as silence:
                 try:
@@ -221,6 +239,11 @@ class Exchange:
                         return
                     response = retried
                 await self._respond(response, silence)
+        except asyncio.CancelledError:
+            if not self.failing_over or self.client_gone or self.task is None:
+                raise
+            self.task.uncancel()
+            raise FailOver(self.failing_over) from None
         except TimeoutError:
             if t.pool_full and t.first_event_ns is None:  # still waiting for the proxy's own pool: not the upstream's
                 raise ProxyOverloaded("pool", f"all {upstream.limit} connections to {upstream.label} stayed in use for the "
@@ -231,7 +254,12 @@ class Exchange:
                 return
             await self._broken(UpstreamTimeout("the upstream sent no first token in time" if not t.content_ns else "the upstream went silent mid-stream"))
         except TransportError as exc:
+            if not self.started and not self.client_gone and self.place is not None and self.place.may_retry():  # nothing went out yet
+                raise FailOver("connect_error" if self.response is None else "broken") from None
             await self._broken(map_transport_error(exc, upstream.label))
+        finally:
+            if deadline is not None:
+                deadline.cancel()
 
     async def _broken(self, error: ProxyError) -> None:
         """The upstream failed: a clean error if nothing was sent yet, else the stream breaks as it would directly."""
@@ -274,6 +302,8 @@ class Exchange:
 
     async def _respond(self, response: Connection, silence: asyncio.Timeout) -> None:
         t, settings = self.t, self.app.settings
+        if (response.status >= 500 or response.status == 429) and not self.client_gone and self.place is not None and self.place.may_retry():
+            raise FailOver("status_429" if response.status == 429 else "status_5xx")
         t.status_code = response.status
         if response.status >= 400:
             t.outcome = "upstream_error"
@@ -311,8 +341,16 @@ class Exchange:
         length = header(response.headers, b"content-length", None)
         if length is not None and not self.rewrite:
             out_headers.append((b"content-length", length))
-        await self._start(response.status, out_headers)
+        rule = self.place.rule if self.place is not None else None
+        if rule is not None and rule.first_token_deadline and rule.retries and response.status < 400:
+            self.held_start = (response.status, out_headers)  # held until the first content (pump.py): it may go elsewhere yet
+        else:
+            await self._start(response.status, out_headers)
         await self._stream(response, self.reader, silence)
+
+    async def _release(self) -> None:
+        assert self.held_start is not None
+        await self._start(*self.held_start)
 
     async def _start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.started = True
@@ -322,7 +360,8 @@ class Exchange:
         """The hot path (pump.py): each piece forwarded as it comes, then noted."""
         upstream = self.upstream
         assert upstream is not None  # (a response is only streamed from the upstream the router chose)
-        self.pump = Pump(self.t, self.send, reader, self.rewrite, self.json_body, silence, upstream.read_timeout, self.stamps.get("writer"))
+        self.pump = Pump(self.t, self.send, reader, self.rewrite, self.json_body, silence, upstream.read_timeout, self.stamps.get("writer"),
+                         self._release if self.held_start is not None else None, self.place.settle if self.place is not None else None)
         await self.pump.run(response)
 
     async def _buffered(self, response: Connection, out_headers: list[tuple[bytes, bytes]]) -> None:

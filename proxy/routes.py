@@ -12,8 +12,19 @@ The routing file (YAML):
         upstream_proxy: http://proxy:3128 #   upstream_proxy (none: direct; default: the environment's)
     routes:
       - models: ["meta-llama/*", "qwen3-8b"]
-        upstreams: [vllm-a, vllm-b]       # several: the one with fewest requests in flight
+        upstreams: [vllm-a, vllm-b]       # several: `pick` chooses
+        first_token_deadline: 2.0         # optional: seconds to the first content token; then another replica
+        retries: 1                        # further replicas tried at most per request (default: 1 with a deadline, else 0)
+        pick: predicted_ttft              # or fewest_in_flight (the default)
+        retry_budget: {ratio: 0.1, min_per_second: 3, window: 10}   # optional (these defaults): retries.py
     default: vllm-a                       # optional: else an unknown model is a 404 model_not_found
+
+Every key of the file is checked: an unknown one (a typo in `first_token_deadline` would leave an
+operator believing they have failover) is refused with its line. A route with `retries` tries
+another of its replicas when an attempt fails before anything reached the client: a connect error, a
+5xx or 429, or (with `first_token_deadline`) no content token by the deadline, within its retry
+budget (retry.py); `pick: predicted_ttft` sends each request to the replica with the lowest
+predicted time to first token (forecast.py).
 
 A route's `url` maps request paths exactly as `--upstream` does (`Upstream.target`): the client's
 path goes below the URL's path less a final `/v1`, so one upstream serves OpenAI's `/v1/…`,
@@ -32,16 +43,32 @@ import dataclasses
 import fnmatch
 import logging
 import os
+import random
+from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
-
-from .config import Settings
+from . import forecast
+from .config import Settings, checked_entry, parse_yaml, read_text
 from .connection import Budget
+from .retry import BudgetSpec, RetryBudget
 from .upstream import Upstream
 
 log = logging.getLogger("llmproxy.routes")
 GLOBBED_MAX = 4096  # models whose glob route is remembered (names are client-chosen: bounded)
+PICKS = ("fewest_in_flight", "predicted_ttft")
+ROUTE_KEYS = ("models", "upstreams", "first_token_deadline", "retries", "pick", "retry_budget")
+
+
+@dataclass
+class Rule:
+    """One route: its models, its replicas, and how a request is placed and failed over among them."""
+
+    models: tuple[str, ...]
+    upstreams: tuple[str, ...]
+    first_token_deadline: float | None = None
+    retries: int = 0
+    pick: str = "fewest_in_flight"
+    budget: RetryBudget = field(default_factory=RetryBudget)
 OVERRIDES = ("connect_timeout", "first_token_timeout", "read_timeout", "write_timeout", "pool_timeout", "max_connections",
              "keepalive_expiry", "upstream_proxy")
 
@@ -49,6 +76,7 @@ OVERRIDES = ("connect_timeout", "first_token_timeout", "read_timeout", "write_ti
 def _upstream_settings(base: Settings, spec: dict[str, Any], where: str) -> Settings:
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not isinstance(spec.get("url"), str):
         raise ValueError(f"{where}: each upstream needs a `name` and a `url`")
+    where = f"{where}, line {spec.pop('__line__', '?')}"
     unknown = set(spec) - {"name", "url", "api_key_env", *OVERRIDES}
     if unknown:
         raise ValueError(f"{where}: upstream {spec['name']!r} has unknown keys {sorted(unknown)}")
@@ -56,7 +84,10 @@ def _upstream_settings(base: Settings, spec: dict[str, Any], where: str) -> Sett
     key = os.environ.get(key_env, "") if key_env else ""
     if key_env and not key:
         raise ValueError(f"{where}: upstream {spec['name']!r} names api_key_env {key_env!r}, which is empty or unset")
-    values = {name: type(getattr(base, name))(spec[name]) for name in OVERRIDES if name in spec}
+    try:
+        values = {name: type(getattr(base, name))(spec[name]) for name in OVERRIDES if name in spec}
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: upstream {spec['name']!r} has a value of the wrong type") from None
     return dataclasses.replace(base, upstream=spec["url"], upstream_name=spec["name"], upstream_api_key_env=key_env,
                                upstream_api_key=key, **values)
 
@@ -68,46 +99,40 @@ class Router:
         self.settings = settings
         self.budget = Budget(settings.stream_buffer_bytes, settings.stream_buffer_total_bytes)  # one for every upstream
         self.upstreams: dict[str, Upstream] = {}
-        self.routes: list[tuple[tuple[str, ...], tuple[str, ...]]] = []
-        self.exact: dict[str, tuple[str, ...]] = {}
-        self.globbed: dict[str, tuple[str, ...] | None] = {}  # a model's glob route, once matched (bounded)
+        self.routes: list[Rule] = []
+        self.exact: dict[str, Rule] = {}
+        self.globbed: dict[str, Rule | None] = {}  # a model's glob route, once matched (bounded)
         self.default: str | None = None
+        self.rng = random.Random()
+        self.turn = 0
         if settings.routes:
             self._install(*self._parse(settings.routes))
         else:
             upstream = Upstream(settings, self.budget)
             self.upstreams = {upstream.label: upstream}
-            self.routes, self.default = [(("*",), (upstream.label,))], upstream.label
+            self.routes, self.default = [Rule(("*",), (upstream.label,))], upstream.label
+        self.fallback = Rule(("*",), (self.default,)) if self.default is not None else None
 
-    def _parse(self, path: str) -> tuple[dict[str, Settings], list[tuple[tuple[str, ...], tuple[str, ...]]], str | None]:
-        try:
-            with open(path, encoding="utf-8") as handle:
-                data = yaml.safe_load(handle)
-        except (OSError, yaml.YAMLError) as exc:
-            raise ValueError(f"routes file {path}: {exc}") from None
+    def _parse(self, path: str) -> tuple[dict[str, Settings], list[Rule], str | None]:
+        data = parse_yaml(read_text(path, f"routes file {path}"), f"routes file {path}")
         if not isinstance(data, dict) or not isinstance(data.get("upstreams"), list) or not isinstance(data.get("routes", []), list):
-            raise ValueError(f"routes file {path}: expected `upstreams:` (a list) and `routes:` (a list)")
+            raise ValueError(f"routes file {path}, line 1: expected `upstreams:` (a list) and `routes:` (a list)")
+        unknown = sorted(set(data) - {"upstreams", "routes", "default", "__line__"})
+        if unknown:
+            raise ValueError(f"routes file {path}, line {data['__line__']}: unknown keys {unknown} (known: upstreams, routes, default)")
         specs: dict[str, Settings] = {}
         for spec in data["upstreams"]:
             settings = _upstream_settings(self.settings, spec, f"routes file {path}")
             if spec["name"] in specs:
                 raise ValueError(f"routes file {path}: upstream {spec['name']!r} is defined twice")
             specs[spec["name"]] = settings
-        routes = []
-        for route in data.get("routes", []):
-            models, names = (route or {}).get("models"), (route or {}).get("upstreams")
-            if not (isinstance(models, list) and models and isinstance(names, list) and names):
-                raise ValueError(f"routes file {path}: each route needs `models` and `upstreams` (non-empty lists)")
-            missing = [n for n in names if n not in specs]
-            if missing:
-                raise ValueError(f"routes file {path}: route {models} names unknown upstreams {missing}")
-            routes.append((tuple(str(m) for m in models), tuple(names)))
+        routes = [_rule(route, specs, f"routes file {path}") for route in data.get("routes", [])]
         default = data.get("default")
         if default is not None and default not in specs:
             raise ValueError(f"routes file {path}: default {default!r} is not an upstream")
         return specs, routes, default
 
-    def _install(self, specs: dict[str, Settings], routes: list[tuple[tuple[str, ...], tuple[str, ...]]], default: str | None) -> None:
+    def _install(self, specs: dict[str, Settings], routes: list[Rule], default: str | None) -> None:
         upstreams = {}
         for name, settings in specs.items():
             current = self.upstreams.get(name)
@@ -116,11 +141,12 @@ class Router:
             if upstreams.get(name) is not old:
                 old.close()  # idle connections only: its streams in flight finish on it
         self.upstreams, self.routes, self.default = upstreams, routes, default
+        self.fallback = Rule(("*",), (default,)) if default is not None else None
         self.exact, self.globbed = {}, {}
-        for models, names in routes:
-            for model in models:
+        for rule in routes:
+            for model in rule.models:
                 if not any(c in model for c in "*?["):
-                    self.exact.setdefault(model, names)
+                    self.exact.setdefault(model, rule)
 
     def reload(self) -> None:
         """Re-read the routing file; a broken one raises ValueError and changes nothing."""
@@ -128,22 +154,35 @@ class Router:
             self._install(*self._parse(self.settings.routes))
             log.warning("routes reloaded from %s: %d upstreams, %d routes", self.settings.routes, len(self.upstreams), len(self.routes))
 
-    def pick(self, model: str) -> Upstream | None:
-        names = self.exact.get(model)
-        if names is None:
+    def route(self, model: str) -> Rule | None:
+        """The route serving a model (exact names first, then globs in file order, then `default`)."""
+        rule = self.exact.get(model)
+        if rule is None:
             if model in self.globbed:
-                names = self.globbed[model]
+                rule = self.globbed[model]
             else:  # (matched once per model: fnmatch per request cost more than the rest of picking)
-                names = next((n for models, n in self.routes if any(fnmatch.fnmatchcase(model, m) for m in models)), None)
+                rule = next((r for r in self.routes if any(fnmatch.fnmatchcase(model, m) for m in r.models)), None)
                 if len(self.globbed) < GLOBBED_MAX:
-                    self.globbed[model] = names
-        if names is None:
-            names = (self.default,) if self.default is not None else None
-        if names is None:
-            return None
-        if len(names) == 1:
-            return self.upstreams[names[0]]
-        return min((self.upstreams[n] for n in names), key=lambda u: u.in_flight)
+                    self.globbed[model] = rule
+        return rule if rule is not None else self.fallback
+
+    def choose(self, rule: Rule, prompt_tokens: int = 0, tried: tuple[str, ...] = ()) -> Upstream | None:
+        """One of the route's replicas not tried yet for this request (None: none left), by its `pick`."""
+        names = [n for n in rule.upstreams if n not in tried] if tried else rule.upstreams
+        if len(names) <= 1:
+            return self.upstreams[names[0]] if names else None
+        candidates = [self.upstreams[n] for n in names]
+        if rule.pick == "predicted_ttft":
+            index = forecast.choose([(u.label, u.forecast) for u in candidates], prompt_tokens, self.rng)
+            if index is not None:
+                return candidates[index]
+        self.turn += 1  # ties in turn: replicas equally idle share the requests
+        return min(candidates[self.turn % len(candidates):] + candidates[:self.turn % len(candidates)], key=lambda u: u.in_flight)
+
+    def pick(self, model: str) -> Upstream | None:
+        """The upstream a request for this model goes to first."""
+        rule = self.route(model)
+        return self.choose(rule) if rule is not None else None
 
     def models(self) -> list[str]:
         """The exact model names the routes name (for GET /v1/models)."""
@@ -152,3 +191,25 @@ class Router:
     def close(self) -> None:
         for upstream in self.upstreams.values():
             upstream.close()
+
+
+def _rule(route: Any, specs: dict[str, Settings], where: str) -> Rule:
+    """One route of the file, every key checked."""
+    where = checked_entry(route, where, ROUTE_KEYS, "route")
+    models, names = route.get("models"), route.get("upstreams")
+    if not (isinstance(models, list) and models and isinstance(names, list) and names):
+        raise ValueError(f"{where}: each route needs `models` and `upstreams` (non-empty lists)")
+    missing = [n for n in names if n not in specs]
+    if missing:
+        raise ValueError(f"{where}: route {models} names unknown upstreams {missing}")
+    deadline = route.get("first_token_deadline")
+    if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or deadline <= 0):
+        raise ValueError(f"{where}: first_token_deadline must be a positive number of seconds, not {deadline!r}")
+    retries = route.get("retries", 1 if deadline is not None else 0)
+    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+        raise ValueError(f"{where}: retries must be a whole number of further replicas, not {retries!r}")
+    pick = route.get("pick", "fewest_in_flight")
+    if pick not in PICKS:
+        raise ValueError(f"{where}: pick must be one of {', '.join(PICKS)}, not {pick!r}")
+    budget = RetryBudget(BudgetSpec.parse(route.get("retry_budget"), where))
+    return Rule(tuple(str(m) for m in models), tuple(names), float(deadline) if deadline is not None else None, retries, pick, budget)

@@ -26,7 +26,8 @@ RATIO = "llmproxy:slo_errors:ratio_rate{window}"
 WHAT_TO_DO = ("queue: the engine is saturated (more replicas, a smaller batch, admission control); prefill: long prompts "
               "(prompt caching, chunked prefill, a shorter system prompt); reasoning: hidden reasoning (a lower reasoning effort); "
               "load: cold model loads (keep the model loaded); client: slow uploads from the clients themselves; network: the "
-              "link to the upstream; tokenize: the server's tokenizer; proxy: the proxy's own time (its CPU, --workers); wait: the proxy's own upstream pool is full (--max-connections); decode: "
+              "link to the upstream; tokenize: the server's tokenizer; proxy: the proxy's own time (its CPU, --workers); wait: the proxy's own upstream pool is full (--max-connections); failover: a replica failed or "
+              "missed the route's first-token deadline and the request went to another (llmproxy_failovers_total: which replica, why); decode: "
               "too many streams per engine (see `explain`'s capacity); error: the upstream's failures, by outcome.")
 
 

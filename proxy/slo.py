@@ -25,7 +25,7 @@ Verdicts (`judge`), as DistServe and vLLM's `--goodput` define a good request, b
   TTFT objective without a first token (or with a late one) it is a TTFT miss, past `e2e` an e2e miss
   (users give up on slow answers); one that leaves sooner is not counted.
 
-Blame: a TTFT miss names the phase before the first token (client, proxy, wait, network, tokenize,
+Blame: a TTFT miss names the phase before the first token (client, proxy, failover, wait, network, tokenize,
 queue, load, reasoning, prefill) that exceeds its *usual* value for that model the most; an e2e miss the
 same over every phase; a TPOT miss `decode`. Usual = the phase's median over that model's last
 `USUAL_WINDOW` requests that met their objectives (so a lasting incident does not become the norm
@@ -42,14 +42,14 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import parse_yaml, read_text
+from .config import checked_entry, parse_yaml, read_text
 from .timing import Breakdown, RequestTiming
 
 log = logging.getLogger("llmproxy.slo")
 
 GENERATION = frozenset({"chat", "completions", "responses", "messages", "generate_content", "ollama_chat", "ollama_generate"})
 OBJECTIVES = ("ttft", "tpot", "e2e")  # what a request can miss, besides `error`
-BEFORE_FIRST_TOKEN = ("client", "proxy", "wait", "network", "tokenize", "queue", "load", "reasoning", "prefill")
+BEFORE_FIRST_TOKEN = ("client", "proxy", "failover", "wait", "network", "tokenize", "queue", "load", "reasoning", "prefill")
 FAILED = ("upstream_error", "timeout", "proxy_error", "overloaded")  # outcomes that are the service's failure
 LEFT = ("client_disconnect", "client_slow")  # the client went away, or stopped reading
 USUAL_WINDOW = 256  # good requests per model the usual phase values are the median of
@@ -128,12 +128,7 @@ def parse(text: str, path: str = "<slo>") -> tuple[Objective, ...]:
         raise ValueError(f"slo file {path}, line 1: expected `objectives:` (a list)")
     out: list[Objective] = []
     for spec in data["objectives"]:
-        if not isinstance(spec, dict):
-            raise ValueError(f"slo file {path}: each objective must be a mapping, not {spec!r}")
-        where = f"slo file {path}, line {spec.pop('__line__')}"
-        unknown = sorted(set(spec) - set(KEYS))
-        if unknown:
-            raise ValueError(f"{where}: unknown keys {unknown} (known: {', '.join(KEYS)})")
+        where = checked_entry(spec, f"slo file {path}", KEYS, "objective")
         name, models, target = spec.get("name"), spec.get("models", ["*"] if "tenants" in spec else None), spec.get("target")
         tenants = spec.get("tenants", [])
         if not (isinstance(tenants, list) and all(isinstance(t, str) and t for t in tenants)) or ("tenants" in spec and not tenants):

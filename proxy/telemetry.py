@@ -13,117 +13,25 @@ import asyncio
 import collections
 import logging
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, Iterator, Protocol
 
 import orjson
 
 from . import apis
-from .chunk import BodyInfo, read_usage
+from .chunk import read_usage
 from .config import Settings
 from .meters import Meters
 from .metrics import ProxyMetrics
 from .offload import Offload
 from .records import Writer
-from .slo import SLOs, Verdict
-from .timing import Breakdown, RequestTiming, split
+from .slo import SLOs
+from .timing import Breakdown, split
+from .context import RequestContext, record_dict
 from .tokens import PromptParts, TokenCache, Tokenizer
-from .tracing import RequestSpans, Tracing
+from .tracing import Tracing
 
 log = logging.getLogger("llmproxy.telemetry")
 request_log = logging.getLogger("llmproxy.requests")
-
-
-@dataclass(slots=True)
-class RequestContext:
-    """What one request leaves behind for its telemetry; owned by the relay's Exchange."""
-
-    timing: RequestTiming
-    wall_offset_ns: int  # epoch ns - monotonic ns, for span timestamps
-    spans: RequestSpans | None = None
-    request: dict[str, Any] | None = None  # the parsed request body, for the tokenizer; dropped at finish
-    request_size: int = 0
-    prompt_parts: PromptParts | None = None  # the prompt as texts to count (a big body, read in the worker)
-    usage: dict[str, Any] | None = None  # the stream's usage object
-    body: BodyInfo | None = None  # what a non-streaming JSON response said
-    upstream: str = ""  # the `upstream` label of the upstream the router chose ("": none was)
-    server: tuple[str, int] | None = None  # its host and port (server.address on spans)
-    verdict: Verdict | None = None  # judged against its service-level objective (slo.py), at finish
-    finished: bool = False
-
-    @property
-    def trace_id(self) -> str | None:
-        return self.spans.trace_id if self.spans is not None else None
-
-
-MAX_OFFSETS = 4096  # content-chunk offsets kept per record
-
-
-def record_dict(ctx: RequestContext, b: Breakdown) -> dict[str, Any]:
-    """The stored per-request record: timings and counts, never text or credentials."""
-    t = ctx.timing
-    received = t.received_ns
-    record = {
-        "api": t.api,
-        "endpoint": t.endpoint,
-        "model": t.model,
-        "tenant": t.tenant,
-        "user": t.user or None,
-        "response_model": t.response_model,
-        "stream": t.stream,
-        "status_code": t.status_code,
-        "outcome": t.outcome,
-        "error": t.error,
-        "duration_s": b.e2e_s,
-        "ttft_s": b.ttft_s,
-        "decode_s": b.decode_s,
-        "decode_tokens_per_second": b.decode_tokens_per_second,
-        "choice_decode_tokens_per_second": b.choice_decode_tps,
-        "choices": b.choices,
-        "prefill_tokens_per_second": b.prefill_tokens_per_second,
-        "phases_s": b.phases,
-        "reasoning_estimated": "reasoning" in b.phases,
-        "proxy_parts_s": {"before": b.proxy_before_s, "first_token": b.proxy_first_s, "after": b.proxy_after_s},
-        "client_blocked_s": b.client_blocked_s,  # the relay waited on a slow reader (its connection's write buffer full)
-        "read_held_s": t.held_s,  # the upstream's reading paused for it (the read-ahead full): unmeasured client_backpressure
-        "dominant_phase": b.dominant,
-        "connect_s": b.connect,
-        "pool_wait_s": b.pool_wait_s,
-        "rtt_s": t.rtt_s,
-        "reused_connection": t.reused,
-        "prompt_tokens": t.prompt_tokens,
-        "cached_prompt_tokens": t.cached_prompt_tokens,
-        "prompt_uncounted_parts": t.prompt_uncounted_parts,
-        "completion_tokens": t.completion_tokens,
-        "reasoning_tokens": t.reasoning_tokens,
-        "hidden_reasoning_tokens": t.hidden_reasoning_tokens,
-        "token_source": t.token_source,
-        "tokenize_prompt_s": t.tokenize_prompt_s,
-        "tokenize_looked_up_tokens": t.tokenize_looked_up_tokens,
-        "content_chunks": len(t.content_ns),
-        "malformed_chunks": t.malformed_chunks,
-        "unmeasured": t.unmeasured,
-        "inter_token_p50_s": _median(b.inter_token_s),
-        "engine": t.engine.as_dict() if t.engine is not None else None,
-        "received_unix_ns": t.received_ns + ctx.wall_offset_ns,
-        "in_flight_at_decode": t.in_flight_at_decode,
-        # Each content chunk's arrival, ms after the request was received (the waterfall's ticks).
-        # (Rounded to the µs in integers: round(x, 3) per offset cost 4x more, 40 µs a 100-token request.)
-        "content_offsets_ms": [(ns - received + 500) // 1000 / 1000 for ns in t.content_ns[:MAX_OFFSETS]],
-        "content_offsets_truncated": len(t.content_ns) > MAX_OFFSETS,
-    }
-    if ctx.verdict is not None:
-        record.update(ctx.verdict.as_record())
-    if ctx.trace_id:
-        record["trace_id"] = ctx.trace_id
-    return record
-
-
-def _median(values: list[float]) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2]
 
 
 class Sink(Protocol):
@@ -247,6 +155,14 @@ class Telemetry:
                 body = ctx.request
                 t.captured_input = orjson.dumps(body.get("messages") or body.get("prompt") or body.get("input")).decode()
 
+    def moved(self, ctx: RequestContext, upstream: str) -> None:
+        """The request failed over to another replica: its in-flight count goes with it."""
+        with self._guard("metrics"):
+            if ctx.timing.in_flight:
+                self.metrics.in_flight(ctx.upstream or self.upstream).dec()
+                self.metrics.in_flight(upstream).inc()
+        ctx.upstream = upstream
+
     def finish(self, ctx: RequestContext) -> None:
         """Exactly once per request, from the relay's `finally`, after its last byte. The gauge drops
         now; the rest (counts, split, sinks) is queued for the finisher task.
@@ -328,6 +244,8 @@ class Telemetry:
         if b is not None:
             with self._guard("slo"):
                 ctx.verdict = self.slos.judge(t, b)
+            if ctx.forecast is not None and b.ttft_s is not None and t.outcome == "ok":  # the replica's server time to first token
+                ctx.forecast.add(ctx.forecast_x, sum(b.phases.get(p, 0.0) for p in ("queue", "load", "reasoning", "prefill")))
         if b is not None and self.settings.capture_content:
             t.captured_output = "".join(t.chunk_text) or (ctx.body.text if ctx.body else "")
         for sink in self.sinks:

@@ -33,7 +33,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from .config import parse_yaml, read_text
+from .config import checked_entry, parse_yaml, read_text
 from .request import client_key, query_key
 
 log = logging.getLogger("llmproxy.tenants")
@@ -99,12 +99,7 @@ def parse(text: str, path: str = "<tenants>") -> Config:
     headers: list[HeaderSource] = []
     named: set[str] = set()
     for spec in data.get("tenants") or []:
-        if not isinstance(spec, dict):
-            raise ValueError(f"tenants file {path}: each tenant must be a mapping, not {spec!r}")
-        where = f"tenants file {path}, line {spec.pop('__line__')}"
-        unknown = sorted(set(spec) - {"name", "keys", "header"})
-        if unknown:
-            raise ValueError(f"{where}: unknown keys {unknown} (known: name, keys, header)")
+        where = checked_entry(spec, f"tenants file {path}", ("name", "keys", "header"), "tenant")
         if "keys" not in spec and "header" not in spec:
             raise ValueError(f"{where}: a tenant needs `keys`, `header` or both")
         name = _name(spec["name"], where, "name") if "name" in spec else ""

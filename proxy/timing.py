@@ -18,6 +18,8 @@ exactly once, when the request ends, whatever the ending. Definitions (docs/defi
               less the client's part of it)
   wait      = the proxy's own wait for a free upstream connection (its pool full: --max-connections,
               --pool-timeout); a queue inside the proxy, never network, never the engine's `queue`
+  failover  = the time lost on attempts abandoned for another replica (a connect error, a 5xx or 429,
+              no first token by the route's deadline): from the first attempt's issue to the last's
   network   = DNS + TCP + (CONNECT through an egress proxy) + TLS + request upload + one RTT
   tokenize  = the proxy's tokenizer CPU time for this prompt, standing for the server's own
   reasoning = hidden reasoning tokens / the request's own decode rate (an estimate)
@@ -37,7 +39,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from .engine import EngineTimings, refine
 
@@ -54,10 +56,10 @@ Outcome = Literal["ok", "upstream_error", "client_disconnect", "client_slow", "t
 Endpoint = Literal["chat", "completions", "embeddings", "responses", "responses_other", "messages", "messages_other", "generate_content",
                    "gemini_other", "ollama_chat", "ollama_generate", "ollama_embed", "ollama_other", "other"]
 Unmeasured = Literal["", "event_too_large", "undecodable", "client_backpressure"]
-Phase = Literal["client", "proxy", "wait", "network", "tokenize", "queue", "load", "reasoning", "prefill", "decode", "server"]
+Phase = Literal["client", "proxy", "failover", "wait", "network", "tokenize", "queue", "load", "reasoning", "prefill", "decode", "server"]
 TokenSource = Literal["usage", "engine", "tokenizer"]
 OUTCOMES: tuple[Outcome, ...] = ("ok", "upstream_error", "client_disconnect", "client_slow", "timeout", "proxy_error", "overloaded")
-PHASES: tuple[Phase, ...] = ("client", "proxy", "wait", "network", "tokenize", "queue", "load", "reasoning", "prefill", "decode", "server")
+PHASES: tuple[Phase, ...] = ("client", "proxy", "failover", "wait", "network", "tokenize", "queue", "load", "reasoning", "prefill", "decode", "server")
 
 
 def _s(start_ns: int | None, end_ns: int | None) -> float | None:
@@ -78,8 +80,10 @@ class RequestTiming:
     tenant: str = "unknown"  # who sent it (tenants.py): the application or team
     user: str = ""  # its end user ("": none named); records and spans only, never a metric label
     body_end_ns: int | None = None  # the client's request body fully read
-    # upstream exchange (stamped by upstream.py at each step)
+    # upstream exchange (stamped by upstream.py at each step; those of the last attempt)
     issued_ns: int | None = None
+    first_issued_ns: int | None = None  # the first attempt's issue, when it was abandoned for another replica
+    attempts: list[Any] = field(default_factory=list)  # the abandoned attempts (retry.Attempt), in order
     pool_full: bool = False  # the pool had no free slot when the request was issued (it waited, or was refused)
     first_event_ns: int | None = None
     dns_start_ns: int | None = None
@@ -139,7 +143,7 @@ class RequestTiming:
         return self.tcp_start_ns is None
 
     def reset_upstream(self) -> None:
-        """Forget a first upstream attempt (the proxy retries once without stream_options)."""
+        """Forget an upstream attempt (the proxy retries without stream_options, or on another replica)."""
         self.issued_ns = self.first_event_ns = self.headers_ns = self.send_start_ns = self.sent_ns = None
         self.dns_start_ns = self.dns_end_ns = self.tcp_start_ns = self.tcp_end_ns = self.tls_start_ns = self.tls_end_ns = None
         self.proxy_start_ns = self.proxy_end_ns = None
@@ -241,7 +245,9 @@ def split(t: RequestTiming) -> Breakdown:
 
     body_end = t.body_end_ns if t.body_end_ns is not None else t.received_ns
     client = _s(t.received_ns, body_end) or 0.0
-    proxy_before = _s(body_end, t.issued_ns) or 0.0
+    first_issued = t.first_issued_ns if t.first_issued_ns is not None else t.issued_ns
+    proxy_before = _s(body_end, first_issued) or 0.0
+    failover = _s(first_issued, t.issued_ns) or 0.0 if t.first_issued_ns is not None else 0.0
     upstream_end = t.upstream_end_ns if t.upstream_end_ns is not None else end_ns
     tail_from = max(upstream_end, body_end)
     proxy_after = max(0, end_ns - tail_from) / NS
@@ -258,6 +264,10 @@ def split(t: RequestTiming) -> Breakdown:
         phases["proxy"] = max(0.0, e2e - client)
     elif ttft is not None and first is not None:
         budget = max(0.0, ttft - client - proxy_before)
+        failover = min(failover, budget)
+        budget -= failover
+        if failover:
+            phases["failover"] = failover
         wait = min(wait, budget)
         network = min(network, budget - wait)
         tokenize = min(tokenize, budget - wait - network)
@@ -274,6 +284,10 @@ def split(t: RequestTiming) -> Breakdown:
         phases["decode"] = decode_window - proxy_first
     else:
         budget = max(0.0, e2e - client - phases["proxy"])
+        failover = min(failover, budget)
+        budget -= failover
+        if failover:
+            phases["failover"] = failover
         wait = min(wait, budget)
         network = min(network, budget - wait)
         tokenize = min(tokenize, budget - wait - network)
@@ -301,3 +315,16 @@ def split(t: RequestTiming) -> Breakdown:
         client_blocked_s=blocked,
         client_after_s=client_after,
     )
+
+
+def note_slow_client(t: RequestTiming, stamps: dict[str, Any], response: Any) -> None:
+    """When the client did not take bytes as fast as they came (the server protocol's stamps), and
+    whether the upstream's reading was held back for it (`response`: the upstream connection, or
+    None): its later stamps may be the client's pace, so the request is marked and kept out of the
+    decode figures."""
+    t.client_blocked = list(stamps.get("blocked", ()))
+    if stamps.get("paused_ns"):  # still paused at the end (the client left, or was cut)
+        t.client_blocked.append((stamps["paused_ns"], t.response_end_ns or now_ns()))
+    if response is not None and response.held_back:
+        t.held_s = response.held_s
+        t.unmeasured = t.unmeasured or "client_backpressure"

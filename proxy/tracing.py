@@ -135,6 +135,10 @@ class Tracing:
     def enabled(self) -> bool:
         return self.provider is not None
 
+    def new_span_id(self) -> int:
+        """A span id (an abandoned attempt's replacement: the next attempt's `traceparent`)."""
+        return self._ids.generate_span_id()
+
     def start(self, headers: dict[str, str], t: RequestTiming, wall_ns: int) -> RequestSpans:
         """Only called with tracing enabled. Ids and the sampling decision; no span objects yet."""
         context = _PROPAGATOR.extract(headers)
@@ -183,6 +187,11 @@ class Tracing:
             server_attrs["llmproxy.tenant"] = t.tenant  # who sent it (tenants.py); its end user as OpenTelemetry names one
             if t.user:
                 server_attrs["user.id"] = t.user
+            for attempt in t.attempts:  # each abandoned attempt: a CLIENT span of its own, as its traceparent said
+                out.append(self._span(spans, "upstream.request", attempt.span_id, spans.server_id, wall(attempt.start_ns), wall(attempt.end_ns),
+                                      {"server.address": attempt.host, "server.port": attempt.port, "llmproxy.upstream": attempt.upstream,
+                                       "llmproxy.attempt.abandoned": attempt.reason}, kind=SpanKind.CLIENT,
+                                      status=Status(StatusCode.ERROR, f"abandoned: {attempt.reason}")))
             upstream_attrs = {"server.address": host, "server.port": port, "http.response.status_code": t.status_code}
             out.append(self._span(spans, "upstream.request", spans.upstream_id, spans.server_id, wall(t.received_ns),
                                   wall(t.upstream_end_ns or end_ns), upstream_attrs, kind=SpanKind.CLIENT))

@@ -26,6 +26,7 @@ from . import egress
 from .config import Settings
 from .connection import Budget, Connection
 from .admission import pool_size
+from .forecast import Forecast
 from .errors import ConnectError, ConnectTimeout, EgressError, ProxyOverloaded, TransportError, WriteTimeout
 from .timing import RequestTiming, now_ns
 
@@ -66,6 +67,7 @@ class Upstream:
         # What every stream reads ahead of a slow client: per stream, and shared by the whole process.
         self.budget = budget or Budget(settings.stream_buffer_bytes, settings.stream_buffer_total_bytes)
         self.in_flight = 0  # requests on this upstream now (the router picks the least busy)
+        self.forecast = Forecast()  # its predicted time to first token, from its own recent requests (forecast.py)
         self.key = settings.upstream_api_key.encode() if settings.upstream_api_key else None  # replaces the client's
         self.first_token_timeout, self.read_timeout = settings.first_token_timeout, settings.read_timeout
         scheme, host, port, base_path = settings.upstream_parts

@@ -11,7 +11,7 @@ from proxy.records import Writer, codec
 from proxy.records import columns as C
 from proxy.records import sql as A
 
-V3_COLUMNS = ("tenant", "user_id")
+V3_COLUMNS = ("tenant", "user_id", "ph_failover")
 COLUMNS = tuple(c for c in C.COLUMNS if c not in V3_COLUMNS)
 DIMENSIONS = tuple(d for d in C.DIMENSIONS if d != "tenant")
 SUMS = tuple(s for s in A.SUMS if s[0] not in A.V3_SUMS)

@@ -47,3 +47,14 @@ def test_streams_scale_smoke(sim):
     assert r["failed"] == 0 and r["records"] == r["records_ok"] == 32 and r["scraped_requests"] == 32
     assert r["ttft_error_max_ms"] < 50 and r["decode_tps_error_max"] < 0.05 and r["with_decode_rate"] == 32
     assert r["wait_p99_ms"] < 5 and r["chunks_in_window"] > 0 and r["rss_per_stream_kb"] < 1024
+
+
+def test_pick_smoke():
+    """bench/pick.py, a few seconds of it: both modes run over the same arrivals and say where the long prompts went."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "bench" / "pick.py"), "--seconds", "4", "--rounds", "1"],
+                         capture_output=True, text=True, timeout=180, check=True).stdout
+    rows = [line for line in out.splitlines() if line.startswith("| 1 |")]
+    assert [row.split(" | ")[1] for row in rows] == ["fewest_in_flight", "predicted_ttft"], out
+    assert all(int(row.split(" | ")[2]) > 5 for row in rows) and "lower" in out

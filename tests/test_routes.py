@@ -123,3 +123,36 @@ def test_a_broken_routes_file_stops_the_start_with_one_clear_line(tmp_path):
     out = subprocess.run([sys.executable, "-m", "proxy", "serve", "--routes", str(path), "--port", str(free_port())], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "names unknown upstreams ['nope']" in out.stderr
+
+
+@pytest.mark.parametrize("route, words", [
+    ({"first_token_dedline": 2.0}, "line 7: route has unknown keys ['first_token_dedline']"),  # a typo is not silently no failover
+    ({"first_token_deadline": -1}, "line 7: first_token_deadline must be a positive number"),
+    ({"retries": "two"}, "line 7: retries must be a whole number"),
+    ({"pick": "fastest"}, "line 7: pick must be one of fewest_in_flight, predicted_ttft"),
+    ({"retry_budget": {"ratio": -0.1}}, "line 7: retry_budget's ratio must be"),
+])
+def test_every_key_of_a_route_is_checked_and_a_wrong_one_refused_with_its_line(tmp_path, route, words):
+    from proxy.config import Settings
+    from proxy.routes import Router
+
+    path = tmp_path / "routes.yaml"
+    good = {"upstreams": [{"name": "a", "url": "http://127.0.0.1:9/v1"}, {"name": "b", "url": "http://127.0.0.1:10/v1"}],
+            "routes": [{"models": ["m"], "upstreams": ["a", "b"], "first_token_deadline": 2.0, "retries": 1, "pick": "predicted_ttft"}]}
+    path.write_text(yaml.safe_dump(good, sort_keys=False))
+    router = Router(Settings(routes=str(path)))
+    rule = router.route("m")
+    assert (rule.first_token_deadline, rule.retries, rule.pick) == (2.0, 1, "predicted_ttft")
+    broken = {**good, "routes": [{"models": ["m"], "upstreams": ["a", "b"], **route}]}
+    path.write_text(yaml.safe_dump(broken, sort_keys=False))
+    with pytest.raises(ValueError) as error:
+        router.reload()
+    assert words in str(error.value), str(error.value)
+    assert router.route("m") is rule  # the old routes keep serving
+    path.write_text(yaml.safe_dump({**good, "colour": "blue"}, sort_keys=False))
+    with pytest.raises(ValueError, match="line 1: unknown keys \\['colour'\\]"):
+        router.reload()
+    path.write_text(yaml.safe_dump({**good, "upstreams": [{"name": "a", "url": "http://127.0.0.1:9/v1", "read_timout": 5}]}, sort_keys=False))
+    with pytest.raises(ValueError, match="line 2: upstream 'a' has unknown keys \\['read_timout'\\]"):
+        router.reload()
+    router.close()

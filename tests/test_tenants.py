@@ -78,7 +78,7 @@ def test_the_end_user_from_the_header_then_the_apis_own_fields():
 
 @pytest.mark.parametrize("text, message", [
     ("tenants:\n  - name: a\n    keys: [sk-live-secret-key]\n", "line 2: keys entry 1 is not a fingerprint"),
-    ("tenants:\n  - name: a\n    kyes: [abc]\n", "line 2: unknown keys ['kyes']"),
+    ("tenants:\n  - name: a\n    kyes: [abc]\n", "line 2: tenant has unknown keys ['kyes']"),
     ("tenants:\n  - name: other\n    header: {name: x, values: any}\n", "line 2: name must be"),
     ("tenants:\n  - keys: ['sha256:0123456789abcdef']\n", "line 2: a tenant with `keys` needs a `name`"),
     ("tenants:\n  - name: a\n    keys: ['0123456789abcdef']\n  - name: b\n    keys: ['0123456789ab']\n", "line 4: fingerprint '0123456789ab' also matches tenant 'a'"),

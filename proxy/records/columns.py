@@ -36,7 +36,8 @@ ZERO = -(1 << 19)  # the bucket of 0 (and of anything below 1e-300, which no dur
 HOUR_NS = 3600 * 1_000_000_000
 DAY_NS = 24 * HOUR_NS
 
-PHASES = ("client", "proxy", "network", "tokenize", "queue", "load", "reasoning", "prefill", "decode", "server", "wait")  # (appended: codes stay)
+PHASES = ("client", "proxy", "network", "tokenize", "queue", "load", "reasoning", "prefill", "decode", "server", "wait",
+          "failover")  # (appended: codes stay)
 PHASE_CODES = {name: code for code, name in enumerate(PHASES, start=1)}  # 1-31
 OUTPUT, PROMPT, LOAD, QUEUE, DECODE_TPS, DECODE_ITL, LEVEL = range(32, 39)  # (39, 40: reserved)
 EXACT = frozenset({LEVEL})  # counted by value, not in a log bucket (64-67: reserved)

@@ -88,7 +88,7 @@ SCHEMA = (
 # Store version N -> the statements that make it N + 1. 2 -> 3: columns (catalog changes, no rewrite) and two indexes; a
 # replica of version 2 still running keeps writing (tenant null; `unknown` in the rollup), one restarted refuses the store.
 MIGRATIONS: dict[int, tuple[str, ...]] = {2: (
-    f"ALTER TABLE {TABLE} ADD COLUMN IF NOT EXISTS tenant text, ADD COLUMN IF NOT EXISTS user_id text",
+    f"ALTER TABLE {TABLE} ADD COLUMN IF NOT EXISTS tenant text, ADD COLUMN IF NOT EXISTS user_id text, ADD COLUMN IF NOT EXISTS ph_failover float8",
     f"ALTER TABLE {ROLLUP} ADD COLUMN IF NOT EXISTS tenant text NOT NULL DEFAULT 'unknown', "
     + ", ".join(f"ADD COLUMN IF NOT EXISTS {name} {'float8' if name.endswith(A.FLOATS) else 'bigint'}" for name in A.V3_SUMS),
     *INDEXES_V3,

@@ -31,7 +31,7 @@ from . import codec
 from . import columns as C
 from . import sql as A
 
-STORE_VERSION = 3  # 3: the tenant and the end user (columns), the rollup's tenant and its sums for a mean request
+STORE_VERSION = 3  # 3: the tenant and the end user (columns), the phase failover, the rollup's tenant and its sums for a mean request
 DEFAULT_MAX_ROWS = 1_000_000
 RETAIN_EVERY_S = 1.0
 MOVE_CHUNK = 5000
@@ -45,7 +45,7 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS llmproxy_records (
     id INTEGER PRIMARY KEY,     -- insertion order: a batch's new rows are those above the last id before it
     {', '.join(f'{c} {TYPES[c]}' for c in C.COLUMNS)},  -- columns.py
-    data BLOB NOT NULL          -- the record's JSON (proxy.telemetry.record_dict, with its id), compressed (codec.py)
+    data BLOB NOT NULL          -- the record's JSON (proxy.context.record_dict, with its id), compressed (codec.py)
 );
 CREATE UNIQUE INDEX IF NOT EXISTS llmproxy_records_key ON llmproxy_records (ended_ns, key);
 CREATE INDEX IF NOT EXISTS llmproxy_records_model ON llmproxy_records (model, upstream, ended_ns, key, px, py, dx, dy);
@@ -85,6 +85,7 @@ def connect(path: str, timeout: float = 5.0, readonly: bool = False) -> sqlite3.
 
 # Store version N -> the statements that make it N + 1 (columns added: an older file keeps its rows).
 MIGRATIONS = {2: ("ALTER TABLE llmproxy_records ADD COLUMN tenant TEXT", "ALTER TABLE llmproxy_records ADD COLUMN user_id TEXT",
+                  "ALTER TABLE llmproxy_records ADD COLUMN ph_failover REAL",
                   "ALTER TABLE llmproxy_rollup ADD COLUMN tenant TEXT NOT NULL DEFAULT 'unknown'",
                   *(f"ALTER TABLE llmproxy_rollup ADD COLUMN {name} {'REAL' if name.endswith(A.FLOATS) else 'INTEGER'}" for name in A.V3_SUMS))}
 

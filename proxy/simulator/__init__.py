@@ -85,6 +85,10 @@ class SimConfig:
     # of 1 / decode_tps: time per token grows with the batch, as an engine's does.
     batch_alpha_ms: float = 0.0
     batch_beta_ms: float = 0.0
+    # One prefill at a time, first come first served (an engine's prefill unit is shared): a request's
+    # queue is the prefill work sent before it. Off: each request prefills on its own.
+    prefill_queue: bool = False
+    stall_after: int = -1  # >= 0: every stream goes silent after this many content chunks (a stuck replica: 0, after its headers)
 
     @property
     def batching(self) -> bool:
@@ -128,6 +132,7 @@ class Simulator:
         self.tokenizer = tokenizer or Tokenizer()
         self.stats = SimStats()
         self.decoding = 0  # streams between their first and last token now (the batching law's batch)
+        self.prefill_free_at = 0.0  # with prefill_queue: when the prefill unit is free (monotonic s)
         self.rng = random.Random(self.config.seed)
         self._big: dict[tuple[Any, ...], bytes] = {}  # serialised parse-heavy bodies (x-sim-logprobs)
 
@@ -229,6 +234,11 @@ class Simulator:
         n = int(request.get("max_tokens") or request.get("max_completion_tokens") or request.get("max_output_tokens") or limits or cfg.default_max_tokens)
         choices = max(1, int(request.get("n") or 1))
         pattern = [max(1, int(x)) for x in headers.get("x-sim-chunk-pattern", str(headers.get("x-sim-chunk-tokens", cfg.chunk_tokens))).split(",")]
+        if cfg.prefill_queue:  # wait for the prefill work sent before this request (`received`: now)
+            now = time.monotonic()
+            begins = max(now + queue, self.prefill_free_at)
+            self.prefill_free_at = begins + prefill
+            queue = begins - now
         start = queue + prefill + hidden * gap  # hidden reasoning: generated, never streamed
         chunks: list[tuple[float, int, str, list[str]]] = []  # (ready at, choice, field, tokens)
         for choice in range(choices):

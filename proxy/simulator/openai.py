@@ -75,7 +75,7 @@ async def stream(sim: "Simulator", send: Any, kind: str, ident: str, created: in
         for index in range(plan.choices):
             await send({"type": "http.response.body", "body": event([choice(index, None, None, role=True)]), "more_body": True})
     drop_after = int(headers.get("x-sim-drop-after", "-1"))
-    stall_after = int(headers.get("x-sim-stall-after", "-1"))
+    stall_after = int(headers.get("x-sim-stall-after", str(cfg.stall_after)))
     malformed = headers.get("x-sim-malformed") == "1"
     keepalive = float(headers.get("x-sim-keepalive-ms", "0")) / 1000
     padding = " " * int(headers.get("x-sim-token-bytes", "0"))

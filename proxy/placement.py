@@ -86,6 +86,8 @@ class Placement:
         t.attempts.append(Attempt(upstream.label, reason, t.issued_ns or now, now, span_id, upstream.host, upstream.port))
         if t.first_issued_ns is None:
             t.first_issued_ns = t.issued_ns or now
+        if reason == "deadline":  # (at least this long: a stuck replica's forecast learns it, so picking by speed leaves it)
+            upstream.forecast.add(ctx.forecast_x, (now - (t.issued_ns or now)) / 1e9)
         if response is not None:
             upstream.release(response)  # mid-body: aborted
         upstream.in_flight -= 1

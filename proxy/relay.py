@@ -226,7 +226,8 @@ class Exchange:
         query = self.route.dialect.upstream_query(self.scope.get("query_string", b""), upstream.key is not None or bool(self.app.client_keys))
         url = upstream.target(self.scope["path"], query)
         loop = asyncio.get_running_loop()
-        deadline = loop.call_later(rule.first_token_deadline, self._on_deadline) if rule.first_token_deadline and rule.retries else None
+        # (A stream's: a non-streaming response's first token is its last, so its deadline would only send it twice.)
+        deadline = loop.call_later(rule.first_token_deadline, self._on_deadline) if rule.first_token_deadline and rule.retries and t.stream else None
         try:
             async with asyncio.timeout_at(loop.time() + limit) as silence:
                 try:
@@ -342,7 +343,7 @@ class Exchange:
         if length is not None and not self.rewrite:
             out_headers.append((b"content-length", length))
         rule = self.place.rule if self.place is not None else None
-        if rule is not None and rule.first_token_deadline and rule.retries and response.status < 400:
+        if rule is not None and rule.first_token_deadline and rule.retries and response.status < 400 and self.t.stream:
             self.held_start = (response.status, out_headers)  # held until the first content (pump.py): it may go elsewhere yet
         else:
             await self._start(response.status, out_headers)

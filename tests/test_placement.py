@@ -3,10 +3,12 @@ answers 503, one that refuses connections, one that breaks after its first token
 slow at once (the retry budget); the official openai client on the other side."""
 from __future__ import annotations
 
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
+import httpx
 import openai
 import pytest
 import yaml
@@ -84,6 +86,8 @@ def test_a_stuck_replica_fails_over_within_the_deadline_and_is_let_go(pair, prox
         assert abandoned["duration_s"] == pytest.approx(DEADLINE, abs=0.02)
         assert r["phases_s"]["failover"] == pytest.approx(DEADLINE, abs=0.02)  # its own part of TTFT, not prefill
     assert moved >= 3 and failovers(proxy, "stuck", "deadline") == moved
+    scrape = httpx.get(f"{proxy.url}/metrics").text  # each replica's predicted TTFT, once it has enough requests of its own
+    assert re.search(r'^llmproxy_upstream_predicted_ttft_seconds\{upstream="healthy"\} [0-9.e-]+$', scrape, re.M)
     servers = [s for s in proxy.exporter.get_finished_spans() if s.kind.name == "SERVER"]
     clients = [s for s in proxy.exporter.get_finished_spans() if s.kind.name == "CLIENT"]
     assert len(servers) == 10 and len(clients) == 10 + moved  # a span per attempt

@@ -30,12 +30,9 @@ NOTE = ("means over successful requests from the aggregates (exact; they add up)
 
 
 def gather(stores: Iterable[Backend], window: Window = Window()) -> dict[str, Aggregate]:
-    """Per tenant, one or more stores' aggregates (a replica of store version 2 wrote none: `unknown`)."""
-    groups = read(list(stores), BY, window, histograms=False)
-    out: dict[str, Aggregate] = {}
-    for (tenant,), agg in groups.items():
-        out.setdefault(tenant or "unknown", agg)
-    return dict(sorted(out.items()))
+    """Per tenant, one or more stores' aggregates (from the rollup, whose tenant a replica of store
+    version 2 left at its default, `unknown`)."""
+    return {tenant: agg for (tenant,), agg in sorted(read(list(stores), BY, window, histograms=False).items())}
 
 
 def mean(agg: Aggregate) -> dict[str, Any] | None:

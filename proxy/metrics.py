@@ -10,7 +10,7 @@ import os
 import time
 from bisect import bisect_left
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Container
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary, disable_created_metrics
 from prometheus_client.exposition import choose_encoder, generate_latest
@@ -301,13 +301,16 @@ class ProxyMetrics:
         for objective, blame in verdict.blame.items():
             child("llmproxy_slo_misses", *key, objective, blame).inc()
 
+    def _remove(self, names: Container[str], gone: Callable[[tuple[str, ...]], bool]) -> None:
+        """The bound children of these metrics whose key (name, *labels) is `gone`: their series leave the scrape."""
+        for key in list(self._bound):
+            if key[0] in names and gone(key):
+                self.m[key[0]].remove(*key[1:])
+                del self._bound[key]
+
     def slo_targets(self, targets: dict[str, float]) -> None:
         """The objectives in force (start-up and each reload): a removed objective's gauge goes."""
-        gauge = self.m["llmproxy_slo_target"]
-        for (name, *labels), _ in list(self._bound.items()):
-            if name == "llmproxy_slo_target" and labels[0] not in targets:
-                gauge.remove(labels[0])
-                del self._bound[(name, *labels)]
+        self._remove(("llmproxy_slo_target",), lambda key: key[1] not in targets)
         for slo, target in targets.items():
             self.child("llmproxy_slo_target", slo).set(target)
 
@@ -321,11 +324,7 @@ class ProxyMetrics:
         stale = {tenant for tenant, seen in self._tenant_seen.items() if now - seen > self.tenant_expiry_s}
         if not stale:
             return []
-        for key in list(self._bound):
-            position = TENANT_POSITION.get(key[0])
-            if position is not None and key[1 + position] in stale:
-                self.m[key[0]].remove(*key[1:])
-                del self._bound[key]
+        self._remove(TENANT_POSITION, lambda key: key[1 + TENANT_POSITION[key[0]]] in stale)
         self.models.forget(stale)
         self.slo_sets.forget(stale)
         for tenant in stale:
@@ -347,19 +346,13 @@ class ProxyMetrics:
 
     def predictions(self, seconds: dict[str, float]) -> None:
         """Each replica's predicted TTFT now (forecast.py); a replica with none (or no longer routed) has no series."""
-        for (name, *labels), _ in list(self._bound.items()):
-            if name == "llmproxy_upstream_predicted_ttft_seconds" and labels[0] not in seconds:
-                self.m[name].remove(*labels)
-                del self._bound[(name, *labels)]
+        self._remove(("llmproxy_upstream_predicted_ttft_seconds",), lambda key: key[1] not in seconds)
         for label, value in seconds.items():
             self.child("llmproxy_upstream_predicted_ttft_seconds", label).set(value)
 
     def pools(self, upstreams: dict[str, tuple[int, int, int]]) -> None:
         """Each upstream pool's (in use, idle, limit) now; the gauges of an upstream no longer routed go."""
-        for (name, *labels), _ in list(self._bound.items()):
-            if name in ("llmproxy_upstream_pool_connections", "llmproxy_upstream_pool_limit") and labels[0] not in upstreams:
-                self.m[name].remove(*labels)
-                del self._bound[(name, *labels)]
+        self._remove(("llmproxy_upstream_pool_connections", "llmproxy_upstream_pool_limit"), lambda key: key[1] not in upstreams)
         for label, (in_use, idle, limit) in upstreams.items():
             self.child("llmproxy_upstream_pool_connections", label, "in_use").set(in_use)
             self.child("llmproxy_upstream_pool_connections", label, "idle").set(idle)

@@ -164,12 +164,12 @@ class Exchange:
         if route.stream is not None:  # the path says (Gemini)
             t.stream = route.stream
         t.user = app.tenants.user(self.scope["headers"], parsed)
-        rule = app.router.route(t.model)
-        upstream = app.router.choose(rule, tokens(len(body))) if rule is not None else None
+        rule, prompt = app.router.route(t.model), tokens(len(body))
+        upstream = app.router.choose(rule, prompt) if rule is not None else None
         if rule is None or upstream is None:
             raise ModelNotRouted(f"the model `{t.model}` is not routed by this proxy (see its routing file)")
         rule.budget.request()
-        self.place = Placement(app.router, app.telemetry, ctx, rule, tokens(len(body)))
+        self.place = Placement(app.router, app.telemetry, ctx, rule, prompt)
         self.place.use(upstream)
         if parsed is not None:
             ctx.request, ctx.request_size = (None if parsed.get("_partial") else parsed), len(body)
@@ -206,28 +206,29 @@ class Exchange:
                 await self._attempt(body, original, headers)
                 return
             except FailOver as why:
-                assert self.place is not None
                 self.place.fail_over(why.reason, self.response)
                 self.response = self.reader = self.pump = self.json_body = self.held_start = None
                 self.failing_over = ""
 
+    def _may_retry(self) -> bool:
+        """Another attempt: nothing reached the client, which is still there, and the route gives one (placement.py)."""
+        return not self.started and not self.client_gone and self.place is not None and self.place.may_retry()
+
     def _on_deadline(self) -> None:
         """The route's first-token deadline: no content yet, and another attempt allowed: abandon this one."""
-        if not self.t.content_ns and not self.started and not self.client_gone and self.task is not None and self.place is not None \
-                and self.place.may_retry():
+        if not self.t.content_ns and self.task is not None and self._may_retry():
             self.failing_over = "deadline"
             self.task.cancel()
 
     async def _attempt(self, body: bytes, original: bytes, headers: list[tuple[bytes, bytes]]) -> None:
         t, upstream = self.t, self.upstream
         assert upstream is not None and self.place is not None
-        rule = self.place.rule
         limit = upstream.first_token_timeout
         query = self.route.dialect.upstream_query(self.scope.get("query_string", b""), upstream.key is not None or bool(self.app.client_keys))
         url = upstream.target(self.scope["path"], query)
         loop = asyncio.get_running_loop()
-        # (A stream's: a non-streaming response's first token is its last, so its deadline would only send it twice.)
-        deadline = loop.call_later(rule.first_token_deadline, self._on_deadline) if rule.first_token_deadline and rule.retries and t.stream else None
+        hold = self.place.rule.hold_s if t.stream else None
+        deadline = loop.call_later(hold, self._on_deadline) if hold is not None else None
         try:
             async with asyncio.timeout_at(loop.time() + limit) as silence:
                 try:
@@ -255,7 +256,7 @@ class Exchange:
                 return
             await self._broken(UpstreamTimeout("the upstream sent no first token in time" if not t.content_ns else "the upstream went silent mid-stream"))
         except TransportError as exc:
-            if not self.started and not self.client_gone and self.place is not None and self.place.may_retry():  # nothing went out yet
+            if self._may_retry():
                 raise FailOver("connect_error" if self.response is None else "broken") from None
             await self._broken(map_transport_error(exc, upstream.label))
         finally:
@@ -303,7 +304,7 @@ class Exchange:
 
     async def _respond(self, response: Connection, silence: asyncio.Timeout) -> None:
         t, settings = self.t, self.app.settings
-        if (response.status >= 500 or response.status == 429) and not self.client_gone and self.place is not None and self.place.may_retry():
+        if (response.status >= 500 or response.status == 429) and self._may_retry():
             raise FailOver("status_429" if response.status == 429 else "status_5xx")
         t.status_code = response.status
         if response.status >= 400:
@@ -342,8 +343,7 @@ class Exchange:
         length = header(response.headers, b"content-length", None)
         if length is not None and not self.rewrite:
             out_headers.append((b"content-length", length))
-        rule = self.place.rule if self.place is not None else None
-        if rule is not None and rule.first_token_deadline and rule.retries and response.status < 400 and self.t.stream:
+        if self.place is not None and self.place.rule.hold_s is not None and response.status < 400 and self.t.stream:
             self.held_start = (response.status, out_headers)  # held until the first content (pump.py): it may go elsewhere yet
         else:
             await self._start(response.status, out_headers)

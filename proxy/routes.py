@@ -69,6 +69,13 @@ class Rule:
     retries: int = 0
     pick: str = "fewest_in_flight"
     budget: RetryBudget = field(default_factory=RetryBudget)
+
+    @property
+    def hold_s(self) -> float | None:
+        """How long a stream on this route is held for its first token before another replica is tried; None:
+        never held (no deadline, or no retry). Streams only: a non-streaming response's first token is its
+        last, so a deadline would only send it twice."""
+        return self.first_token_deadline if self.retries > 0 else None
 OVERRIDES = ("connect_timeout", "first_token_timeout", "read_timeout", "write_timeout", "pool_timeout", "max_connections",
              "keepalive_expiry", "upstream_proxy")
 
@@ -178,11 +185,6 @@ class Router:
                 return candidates[index]
         self.turn += 1  # ties in turn: replicas equally idle share the requests
         return min(candidates[self.turn % len(candidates):] + candidates[:self.turn % len(candidates)], key=lambda u: u.in_flight)
-
-    def pick(self, model: str) -> Upstream | None:
-        """The upstream a request for this model goes to first."""
-        rule = self.route(model)
-        return self.choose(rule) if rule is not None else None
 
     def models(self) -> list[str]:
         """The exact model names the routes name (for GET /v1/models)."""

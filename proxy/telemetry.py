@@ -161,7 +161,6 @@ class Telemetry:
             if ctx.timing.in_flight:
                 self.metrics.in_flight(ctx.upstream or self.upstream).dec()
                 self.metrics.in_flight(upstream).inc()
-        ctx.upstream = upstream
 
     def finish(self, ctx: RequestContext) -> None:
         """Exactly once per request, from the relay's `finally`, after its last byte. The gauge drops

@@ -202,6 +202,19 @@ def _sequences(t: RequestTiming) -> dict[int, tuple[list[int], list[float]]]:
     return seqs
 
 
+def _carve(phases: dict[str, float], budget: float, failover: float, wait: float, network: float, tokenize: float) -> float:
+    """The phases before the server's, each capped at what `budget` (the upstream's share of the wait)
+    has left, in this order, so that the server's part is never negative; what is left for it.
+    (`failover` only when an attempt was abandoned.)"""
+    for name, seconds in (("failover", failover), ("wait", wait), ("network", network), ("tokenize", tokenize)):
+        if name == "failover" and not seconds:
+            continue
+        seconds = min(seconds, budget)
+        phases[name] = seconds
+        budget -= seconds
+    return budget
+
+
 def split(t: RequestTiming) -> Breakdown:
     """Durations and the phase split; pure arithmetic on the record (unit-tested exactly)."""
     end_ns = t.response_end_ns if t.response_end_ns is not None else now_ns()
@@ -263,16 +276,7 @@ def split(t: RequestTiming) -> Breakdown:
     if t.issued_ns is None:  # refused or failed before anything went upstream: the proxy's own time
         phases["proxy"] = max(0.0, e2e - client)
     elif ttft is not None and first is not None:
-        budget = max(0.0, ttft - client - proxy_before)
-        failover = min(failover, budget)
-        budget -= failover
-        if failover:
-            phases["failover"] = failover
-        wait = min(wait, budget)
-        network = min(network, budget - wait)
-        tokenize = min(tokenize, budget - wait - network)
-        rest = budget - wait - network - tokenize
-        phases.update(wait=wait, network=network, tokenize=tokenize)
+        rest = _carve(phases, max(0.0, ttft - client - proxy_before), failover, wait, network, tokenize)
         hidden = t.hidden_reasoning_tokens
         if hidden and decode_tps:
             phases["reasoning"] = min(rest, hidden / decode_tps)
@@ -283,15 +287,7 @@ def split(t: RequestTiming) -> Breakdown:
         phases["proxy"] += proxy_first
         phases["decode"] = decode_window - proxy_first
     else:
-        budget = max(0.0, e2e - client - phases["proxy"])
-        failover = min(failover, budget)
-        budget -= failover
-        if failover:
-            phases["failover"] = failover
-        wait = min(wait, budget)
-        network = min(network, budget - wait)
-        tokenize = min(tokenize, budget - wait - network)
-        phases.update(wait=wait, network=network, tokenize=tokenize, server=budget - wait - network - tokenize)
+        phases["server"] = _carve(phases, max(0.0, e2e - client - phases["proxy"]), failover, wait, network, tokenize)
     phases = refine(phases, t.engine)
     prefill_s = phases.get("prefill")
     uncached = t.prompt_tokens - (t.cached_prompt_tokens or 0) if t.prompt_tokens else None

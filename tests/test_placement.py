@@ -176,3 +176,30 @@ def test_a_non_streaming_request_is_never_sent_twice_for_the_deadline(pair, prox
                                             extra_headers={"x-sim-ttft-ms": "600"})
     assert answer.usage.completion_tokens == 5
     assert proxy.last_record()["attempts"] == [] and stuck.stats()["requests"] + healthy.stats()["requests"] == before + 1
+
+
+def test_a_held_stream_reaches_the_client_whole_whatever_its_shape(pair, proxy_factory, tmp_path):
+    """On a deadline route, what comes before the first token is held, then sent with it: keep-alive comments,
+    the role chunk, the Responses API's and Anthropic's typed events before their first delta, all of it."""
+    import anthropic
+
+    healthy = pair["healthy"]
+    path = routes_file(tmp_path, {"healthy": f"{healthy.url}/v1"}, first_token_deadline=2.0, retries=1)
+    proxy = proxy_factory(routes=path)
+    slow_start = {"x-sim-ttft-ms": "300", "x-sim-keepalive-ms": "50"}
+    body = {"model": "sim-7b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "stream": True}
+    via = httpx.post(f"{proxy.v1}/chat/completions", json=body, headers=slow_start, timeout=30).text
+    direct = httpx.post(f"{healthy.url}/v1/chat/completions", json=body, headers=slow_start, timeout=30).text
+    tokens = lambda text: re.findall(r'"content":"([^"]+)"', text)  # noqa: E731 - (the role chunk's content is empty)
+    assert via.count(": keep-alive") == direct.count(": keep-alive") >= 4 and tokens(via) == tokens(direct) and len(tokens(via)) == 6
+    events = list(openai.OpenAI(base_url=proxy.v1, api_key="sk-test", max_retries=0).responses.create(
+        model="sim-7b", input="hi", max_output_tokens=6, stream=True, extra_headers=slow_start))
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == events[-1].response.output_text
+    with anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant-test", max_retries=0).messages.stream(
+            model="sim-7b", max_tokens=6, messages=[{"role": "user", "content": "hi"}], extra_headers=slow_start) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text and final.usage.output_tokens == 6
+    records = proxy.wait_records(3)
+    assert all(r["attempts"] == [] and r["outcome"] == "ok" and r["ttft_s"] >= 0.3 for r in records[-3:])

@@ -63,6 +63,24 @@ def cpu_seconds(pid: int) -> float:
     return total / 1e9
 
 
+def descendants(pid: int) -> list[int]:
+    """Every live process under `pid` (its records writer, forked from its fork server), from /proc."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass  # (one that just ended)
+    found, frontier = [], [pid]
+    while frontier:
+        current = frontier.pop()
+        children = [child for child, parent in parents.items() if parent == current]
+        found += children
+        frontier += children
+    return found
+
+
 def memory_mb(pid: int, field: str = "VmRSS") -> float:
     """A memory line of /proc/PID/status in MiB: VmRSS (now) or VmHWM (the peak)."""
     match = re.search(rf"^{field}:\s+(\d+)", Path(f"/proc/{pid}/status").read_text(), re.MULTILINE)

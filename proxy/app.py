@@ -12,6 +12,7 @@ import hmac
 import logging
 import os
 import signal
+import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -23,6 +24,7 @@ from starlette.types import Receive, Scope, Send
 
 from . import apis, forecast, records
 from .records.aggregate import summary as summarise
+from .records.outbox import Outbox
 from .acceptor import ProxyLoop
 from .admission import Admission, raise_open_files_limit
 from .config import Settings
@@ -78,7 +80,7 @@ class ProxyApp:
         self.telemetry = Telemetry(settings, self.metrics, Tracing(tracer_provider, settings), tokenizer, self.offload, self.slos, self.meters)
         # In each worker, before its listener and its upstream pools exist (their size comes from it).
         self.open_files = raise_open_files_limit(settings)[1]
-        self.router = Router(settings)  # --routes, or the one --upstream for every model
+        self.router = Router(settings, self.telemetry.ejected)  # --routes, or the one --upstream for every model
         self.admission = Admission(settings.max_in_flight)
         self.metrics.child("llmproxy_max_in_flight", settings.upstream_label).set(settings.max_in_flight)
         self.client_keys = settings.client_keys()
@@ -193,29 +195,34 @@ class ProxyApp:
 
                 multiprocess.mark_process_dead(os.getpid())
 
-    def _records_writer(self) -> records.Writer | None:
+    def _records_writer(self) -> Outbox | None:
         """The records store --records-db names (SQLite: every worker on one file, WAL mode; PostgreSQL:
-        every replica on one table), behind this process's bounded buffer; None when records are off."""
+        every replica on one table), written by a process of this worker's own behind its bounded buffer
+        (records/outbox.py); None when records are off."""
         s, target = self.settings, self.settings.records_path
         if not target:
             return None
-        backend = records.open_backend(target, s.records_max_rows, s.records_max_age, s.records_db_password_file)
+        options = {"max_rows": s.records_max_rows, "max_age_s": s.records_max_age, "password_file": s.records_db_password_file,
+                   "max_models": s.max_models}
         buffered, written = self.metrics.child("llmproxy_records_buffered"), self.metrics.child("llmproxy_records_written")
 
         def on_batch(stored: int, waiting: int) -> None:
             written.inc(stored)
             buffered.set(waiting)
 
-        return records.Writer(backend, s.instance_name, s.records_buffer, s.records_buffer_bytes, lambda: self.telemetry.count_error("records"),
-                              self.metrics.records_dropped, on_batch)
+        lost = self.metrics.child("llmproxy_records_lost")
+        return Outbox(target, options, s.instance_name, s.records_buffer, s.records_buffer_bytes, lambda: self.telemetry.count_error("records"),
+                      self.metrics.records_dropped, on_batch, on_lost=lost.inc)
 
     def _sample(self) -> None:
         """The gauges read off the process (open descriptors, bytes read ahead of slow clients, the
         upstream pools), when they are asked for: at each scrape, in its thread (listing thousands of
         descriptors takes ms). Nothing wakes an idle proxy to keep them fresh."""
         self.metrics.child("llmproxy_read_ahead_bytes").set(self.router.budget.used)
-        self.metrics.pools({u.label: (u.in_use, u.idle, u.limit) for u in list(self.router.upstreams.values())})
-        self.metrics.predictions(forecast.predictions((u.label, u.forecast) for u in list(self.router.upstreams.values())))
+        upstreams = list(self.router.upstreams.values())
+        self.metrics.pools({u.label: (u.in_use, u.idle, u.limit) for u in upstreams})
+        self.metrics.predictions(forecast.predictions((u.label, u.forecast) for u in upstreams))
+        self.metrics.health({u.label: u.health.state for u in upstreams})
         try:
             self.metrics.child("llmproxy_open_fds").set(_open_fds())
         except OSError:  # no /proc (not Linux), or out of descriptors for the listing itself
@@ -283,6 +290,15 @@ class ProxyApp:
                     telemetry.count_error("records")
             rows = [r for r in telemetry.records if filters.match(r)]
             return rows[-limit:] if limit > 0 else []
+
+        @app.get("/llmproxy/upstreams")
+        async def upstreams() -> Any:
+            """Each replica's health and forecast now, as this worker sees them (health.py, forecast.py): /ui's replicas line."""
+            now = time.monotonic()
+            return [{"upstream": u.label, "state": u.health.state, "reason": u.health.reason or None,
+                     "back_in_s": round(max(0.0, u.health.until - now), 1) if u.health.state != "serving" else None,
+                     "in_flight": u.in_flight, "failure_share": round(u.health.share(now), 3),
+                     "predicted_ttft_s": u.forecast.predict(forecast.REFERENCE_TOKENS)} for u in list(self.router.upstreams.values())]
 
         @app.get("/llmproxy/summary")
         async def summary(since: float = 3600.0, model: str = "", upstream: str = "", outcome: str = "", api: str = "", slo: str = "",

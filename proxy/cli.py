@@ -44,7 +44,7 @@ def simulate(args: argparse.Namespace) -> int:
                        chunk_tokens=args.chunk_tokens, default_max_tokens=args.max_tokens,
                        role_chunk=not args.no_role_chunk, usage_null_chunks=not args.no_usage_null,
                        deterministic=args.deterministic, seed=args.seed, batch_alpha_ms=args.batch_alpha_ms,
-                       batch_beta_ms=args.batch_beta_ms)
+                       batch_beta_ms=args.batch_beta_ms, prefill_queue=args.prefill_queue, prefix_cache_tokens=args.prefix_cache_tokens)
     uvicorn.run(Simulator(config), host=args.host, port=args.port, loop="uvloop", http="httptools",
                 log_level=args.log_level, access_log=False, timeout_keep_alive=args.keep_alive_timeout, ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
     return 0
@@ -80,7 +80,7 @@ def _stores(args: argparse.Namespace, paths: list[str]) -> list[Backend]:
             print(f"moving {store.pending():,} records of an older schema into {store.where} first", file=sys.stderr)
             store.open()
             while store.pending():
-                store.retain()
+                store.maintain()
             store.close()
         stores.append(store)
     return stores
@@ -161,7 +161,7 @@ def records_import(args: argparse.Namespace) -> int:
     password_file = args.db_password_file or os.environ.get("LLMPROXY_RECORDS_DB_PASSWORD_FILE", "")
     done = run_import(sys.stdin.buffer, lambda: open_backend(args.db, password_file=password_file, bulk=True), lambda line: print(line, file=sys.stderr))
     print(f"{done.lines:,} lines read, {done.stored:,} records stored, {done.skipped:,} skipped (already held), {done.rejected:,} not records, "
-          f"{done.dropped:,} dropped, {done.compacted:,} blocks and hours compacted; {done.seconds:.1f} s, {done.lines / max(done.seconds, 1e-9):,.0f} "
+          f"{done.dropped:,} dropped, {done.compacted:,} blocks and hours compacted ({done.final_s:.1f} s at the end); {done.seconds:.1f} s, {done.lines / max(done.seconds, 1e-9):,.0f} "
           "lines/s", file=sys.stderr)
     return 1 if done.dropped or done.rejected else 0
 
@@ -217,6 +217,9 @@ def parser() -> argparse.ArgumentParser:
     p_sim.add_argument("--batch-alpha-ms", type=float, default=0.0,
                        help="continuous batching: ms per token at no load (with --batch-beta-ms: per token = alpha + beta x streams decoding)")
     p_sim.add_argument("--batch-beta-ms", type=float, default=0.0, help="continuous batching: ms per token added by each stream decoding at once")
+    p_sim.add_argument("--prefill-queue", action="store_true", help="one prefill at a time, first come first served (an engine's queue)")
+    p_sim.add_argument("--prefix-cache-tokens", type=int, default=0,
+                       help="a prefix cache of this many tokens: prompts it has seen prefill only what is new, usage reports cached tokens")
     p_sim.add_argument("--log-level", default="warning")
     p_sim.add_argument("--keep-alive-timeout", type=float, default=5.0,
                        help="seconds before an idle client connection is closed (uvicorn's default 5, as vLLM; large: never)")

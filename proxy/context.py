@@ -7,6 +7,7 @@ from typing import Any
 
 from .chunk import BodyInfo
 from .forecast import Forecast
+from .prefix import Use
 from .slo import Verdict
 from .timing import Breakdown, RequestTiming
 from .tokens import PromptParts
@@ -29,7 +30,10 @@ class RequestContext:
     server: tuple[str, int] | None = None  # its host and port (server.address on spans)
     verdict: Verdict | None = None  # judged against its service-level objective (slo.py), at finish
     forecast: Forecast | None = None  # its replica's TTFT forecast, fitted with this request at finish (forecast.py)
-    forecast_x: int = 0  # that replica's pending prompt tokens and this prompt's, when it was sent
+    forecast_x: int = 0  # that replica's pending prompt tokens and this prompt's uncached ones, when it was sent
+    forecast_own: int = 0  # of those, this prompt's (its uncached part as predicted: prefix.py)
+    prompt_estimate: int = 0  # this prompt's estimated tokens, cached or not (forecast.tokens)
+    prefix: Use | None = None  # its prompt on its replica's prefix index, for the check at finish (prefix.py)
     finished: bool = False
 
     @property
@@ -38,8 +42,6 @@ class RequestContext:
 
 
 MAX_OFFSETS = 4096  # content-chunk offsets kept per record
-
-
 def record_dict(ctx: RequestContext, b: Breakdown) -> dict[str, Any]:
     """The stored per-request record: timings and counts, never text or credentials."""
     t = ctx.timing
@@ -47,7 +49,7 @@ def record_dict(ctx: RequestContext, b: Breakdown) -> dict[str, Any]:
     record: dict[str, Any] = {
         "api": t.api,
         "endpoint": t.endpoint,
-        "model": t.model,
+        "model": t.model,  # (made storable where it was read: relay.py, telemetry.py)
         "tenant": t.tenant,
         "user": t.user or None,
         "response_model": t.response_model,
@@ -74,6 +76,7 @@ def record_dict(ctx: RequestContext, b: Breakdown) -> dict[str, Any]:
         "reused_connection": t.reused,
         "prompt_tokens": t.prompt_tokens,
         "cached_prompt_tokens": t.cached_prompt_tokens,
+        "prefix_predicted_tokens": t.prefix_predicted_tokens,  # (of those, what the replica's prefix index predicted: prefix.py)
         "prompt_uncounted_parts": t.prompt_uncounted_parts,
         "completion_tokens": t.completion_tokens,
         "reasoning_tokens": t.reasoning_tokens,
@@ -93,10 +96,11 @@ def record_dict(ctx: RequestContext, b: Breakdown) -> dict[str, Any]:
         "content_offsets_ms": [(ns - received + 500) // 1000 / 1000 for ns in t.content_ns[:MAX_OFFSETS]],
         "content_offsets_truncated": len(t.content_ns) > MAX_OFFSETS,
     }
-    # Every attempt, the abandoned ones first (upstream, why, when it started after the request, how long it ran).
+    # Every attempt (none: it never went upstream), the abandoned ones first (upstream, why, when it started after
+    # the request, how long it ran); the last one's `abandoned` is null (the request's outcome is its own).
     attempts: list[dict[str, Any]] = [{"upstream": a.upstream, "abandoned": a.reason, "offset_s": (a.start_ns - received) / 1e9,
                                        "duration_s": (a.end_ns - a.start_ns) / 1e9} for a in t.attempts]
-    if attempts:
+    if attempts or t.issued_ns is not None:
         start = t.issued_ns if t.issued_ns is not None else t.attempts[-1].end_ns
         attempts.append({"upstream": ctx.upstream, "abandoned": None, "offset_s": (start - received) / 1e9,
                          "duration_s": ((t.response_end_ns or start) - start) / 1e9})

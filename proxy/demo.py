@@ -18,17 +18,14 @@ fingerprints), share the proxy: `search` sends long prompts, `batch` asks for lo
 """
 from __future__ import annotations
 
-import contextlib
 import os
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
+
+from .processes import free_port, serve_command, started, wait_healthy  # noqa: F401  (the tests' and benchmarks' too)
 
 CASES = (100, 1_000, 5_000, 10_000)
 REASONING_PROMPT = 1_000
@@ -36,55 +33,6 @@ REASONING: tuple[tuple[str, dict[str, str]], ...] = (("none", {}), ("visible", {
 PREFILL_TPS, DECODE_TPS = 5000.0, 100.0
 CHAT_OVERHEAD = 7  # one user message: 3 per message + 1 for the role + 3 to prime the reply
 WORDS = (" the", " of", " and", " to", " in", " is", " that", " for", " it", " with", " as", " on")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout: float = 60.0, verify: str | bool = True,
-                 headers: dict[str, str] | None = None) -> None:
-    if isinstance(verify, str):  # a CA bundle file (a test's self-signed upstream)
-        import ssl
-
-        verify = ssl.create_default_context(cafile=verify)  # type: ignore[assignment]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{process.args!r} exited with {process.returncode}")
-        try:
-            if httpx.get(url, timeout=1.0, verify=verify, headers=headers).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"{url} did not become healthy in {timeout} s")
-
-
-@contextlib.contextmanager
-def started(args: list[str], health_url: str, env: dict[str, str] | None = None, command: list[str] | None = None,
-            headers: dict[str, str] | None = None, quiet: bool = False) -> Iterator[subprocess.Popen[bytes]]:
-    """`python -m proxy ARGS` (or `command`) as a child process, healthy before the body runs."""
-    out = subprocess.DEVNULL if quiet else None
-    process = subprocess.Popen(command or [sys.executable, "-m", "proxy", *args], env={**os.environ, **(env or {})},
-                               stdout=out, stderr=out)
-    try:
-        wait_healthy(health_url, process, timeout=120, headers=headers)
-        yield process
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-
-
-def serve_command(src: str, *args: str) -> list[str]:
-    """`llm-latency-proxy ARGS` run from the checkout at `src` (benchmarks: a before/after on one machine)."""
-    return [sys.executable, "-c", f"import sys; sys.path.insert(0, {os.path.abspath(src)!r}); from proxy.cli import main; sys.exit(main())",
-            *args]
 
 
 def prompt_of(tokens: int) -> str:
@@ -366,10 +314,14 @@ def run_demo(repeats: int = 3, output_tokens: int = 100) -> int:
         records = httpx.get(f"{proxy_url}/llmproxy/requests", params={"limit": total}).json()
         run_batching(proxy_url, sim_url, repeats)
         run_tenants(proxy_url, repeats)
+    from . import sessions
+
+    show_agents, agents = sessions.demo(workdir)
     cases, reasoning = len(CASES) * repeats, len(REASONING) * repeats
     print_table(summarise(records[:cases], repeats, output_tokens))
     print_reasoning(reasoning_rows(records[cases : cases + reasoning], repeats), output_tokens)
     print_apis(records[cases + reasoning :], output_tokens)
+    show_agents()
     from .explain import explain, gather, render
     from .records import open_backend
     from .slo import load as load_objectives
@@ -379,6 +331,8 @@ def run_demo(repeats: int = 3, output_tokens: int = 100) -> int:
     print_slo(store, objectives)
     print(f"\nllm-latency-proxy explain --db {records_db} --slo {slo_path}   (the demo's traffic, from its records database)\n")
     print(render(explain(gather([store]), objectives=objectives)))
+    print(f"llm-latency-proxy explain --db {agents[-1]}   (the agent sessions with pick: predicted_ttft: what the prefix cache saved)\n")
+    print(render(explain(gather([open_backend(agents[-1])]))))
     from . import ledger
 
     print(f"llm-latency-proxy explain --db {records_db} --slo {slo_path} --by tenant   (whose requests are slow: `search` and `batch` "

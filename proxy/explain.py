@@ -94,6 +94,11 @@ def analyse_group(agg: Aggregate, hardware: dict[str, float] | None = None, obje
     if prefill is not None:
         report["prefill"] = {**asdict(prefill), "tokens_per_second": 1.0 / prefill.slope if prefill.slope > 0 else None,
                              "fixed_cost_s": prefill.intercept}
+    cached = agg.total(C.CACHED)
+    if prefill is not None and prefill.slope > 0 and cached > 0:  # what the prefix cache saved, at the fitted prefill rate
+        points, uncached = agg.fits["prefill"][0], agg.fits["prefill"][1]
+        report["prefix_cache"] = {"cached_tokens": cached, "share": cached / (cached + uncached),
+                                  "prefill_saved_s": cached * prefill.slope, "saved_per_request_s": cached * prefill.slope / points}
     decode = theil_sen(agg.samples["decode"], agg.fits["decode"])
     if decode is not None:
         report["decode"] = {**asdict(decode), "itl_at_1_s": decode.at(1), "tokens_per_second_at_1": 1.0 / decode.at(1)}
@@ -199,6 +204,10 @@ def render(report: dict[str, Any]) -> str:
             p = g["prefill"]
             tps = f"{p['tokens_per_second']:,.0f} tok/s" if p["tokens_per_second"] else "n/a"
             out.append(f"prefill: {tps} over uncached prompt tokens, fixed cost {ms(p['fixed_cost_s'])} (R² {p['r2']:.3f}, n={p['n']})")
+        if "prefix_cache" in g:
+            c = g["prefix_cache"]
+            out.append(f"prefix cache: {c['share']:.0%} of prompt tokens served from cache ({c['cached_tokens']:,.0f}); prefill not spent "
+                       f"{ms(c['prefill_saved_s'])} at the fitted rate, {ms(c['saved_per_request_s'])} per request")
         if "decode" in g:
             d = g["decode"]
             slope = f", +{d['slope'] * 1000:.3f} ms per token per concurrent request (R² {d['r2']:.3f}, n={d['n']})" if "slope" in d else f" (n={d['n']}, {d.get('note', '')})"

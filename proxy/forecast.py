@@ -12,25 +12,24 @@ by least squares with exponential forgetting (each new request weighs as much as
 b is seconds per prompt token (1 / its prefill rate), a its fixed cost; `pending` is the estimated
 prompt tokens of the requests on that replica still waiting for their first token, counted by the
 proxy itself. A prompt's size is estimated from the request body before it is sent (`tokens`: its
-bytes / 4), the same way when fitting and when predicting. A request goes to the lowest prediction.
-Exploration: a replica with fewer than `MIN_SAMPLES` requests, or one not sent any for
-`STALE_S` seconds, gets the next short request (at most `REFERENCE_TOKENS`: cheap to probe with), so
-a new or recovered replica is noticed; and `EPSILON` of the short requests go to another replica.
+bytes / 4), the same way when fitting and when predicting. Only answers are samples: a failed
+attempt says nothing about how fast the replica prefills (its health says it fails, health.py, and
+the placement weighs the two: picker.py), so a stuck replica's abandoned attempts never stretch the
+deadline the next request gets on it (`deadline_s`). With no fit yet, a prompt is expected to take
+its tokens at `PRIOR_TOKENS_PER_S`, a slow engine's prefill rate: a long prompt is never abandoned
+for being long on a replica the proxy has not measured.
 """
 from __future__ import annotations
 
-import math
-import random
-import time
-from typing import Iterable, Sequence
+from typing import Iterable
 
 HALF_LIFE = 50.0
 DECAY = 0.5 ** (1 / HALF_LIFE)
 MIN_SAMPLES = 5
-STALE_S = 30.0
-EPSILON = 0.05
-REFERENCE_TOKENS = 1000  # the prompt length of the predicted-TTFT gauge, and a "short" request's bound
+REFERENCE_TOKENS = 1000  # the prompt length of the predicted-TTFT gauge
 BYTES_PER_TOKEN = 4
+PRIOR_TOKENS_PER_S = 2000.0  # a prompt's expected prefill rate on a replica with no fit (a large model on one GPU; a 7B one does ~5,000)
+DEADLINE_MARGIN = 1.5  # a first-token deadline is at least this much over the expected server TTFT
 
 
 def tokens(body_bytes: int) -> int:
@@ -41,13 +40,14 @@ def tokens(body_bytes: int) -> int:
 class Forecast:
     """One replica's fit and its pending prompt tokens. Updated on the event loop only."""
 
-    __slots__ = ("w", "sx", "sy", "sxx", "sxy", "n", "pending", "last_s")
+    __slots__ = ("w", "sx", "sy", "sxx", "sxy", "n", "pending", "last_s", "sent")
 
     def __init__(self) -> None:
         self.w = self.sx = self.sy = self.sxx = self.sxy = 0.0
         self.n = 0
         self.pending = 0  # estimated prompt tokens sent to it and waiting for their first token
         self.last_s = 0.0  # when it was last sent a request (monotonic s)
+        self.sent = 0  # attempts sent to it, answered or not (exploration counts these: picker.py)
 
     def add(self, x: float, y: float) -> None:
         """A finished request: x = pending + prompt tokens when it was sent, y = its server TTFT (s)."""
@@ -69,32 +69,28 @@ class Forecast:
         b = max(0.0, (self.sxy / self.w - mx * my) / var)
         return my - b * mx, b
 
-    def predict(self, prompt: int) -> float | None:
-        """Seconds of server time to this prompt's first token if sent now; None when unknown."""
+    def at(self, x: float) -> float | None:
+        """Seconds of server time to the first token with x prompt tokens ahead and its own; None when unknown."""
         fit = self.coefficients()
         if fit is None:
             return None
         a, b = fit
-        return max(0.0, a + b * (self.pending + prompt))
+        return max(0.0, a + b * x)
 
+    def predict(self, prompt: int) -> float | None:
+        """Seconds of server time to this prompt's first token if sent now; None when unknown."""
+        return self.at(self.pending + prompt)
 
-def choose(candidates: Sequence[tuple[str, Forecast]], prompt: int, rng: random.Random, now: float | None = None) -> int | None:
-    """The index of the candidate to send a request of `prompt` tokens to; None when none has a
-    prediction yet and the request is too long to probe with (the caller's fallback decides)."""
-    now = time.monotonic() if now is None else now
-    short = prompt <= REFERENCE_TOKENS
-    if short:
-        for i, (_, f) in enumerate(candidates):  # a new replica, or one not tried for a while: probe it with a short request
-            if f.n < MIN_SAMPLES or now - f.last_s > STALE_S:
-                return i
-        if len(candidates) > 1 and rng.random() < EPSILON:
-            return rng.randrange(len(candidates))
-    best, best_s = None, math.inf
-    for i, (_, f) in enumerate(candidates):
-        predicted = f.predict(prompt)
-        if predicted is not None and predicted < best_s:
-            best, best_s = i, predicted
-    return best
+    def expect(self, x: float) -> float:
+        """Seconds of server time to the first token with x prompt tokens ahead and its own: the fit's, or before any
+        fit the prior rate's (a slow engine's: a replica not measured yet never looks faster than a measured one)."""
+        expected = self.at(x)
+        return expected if expected is not None else x / PRIOR_TOKENS_PER_S
+
+    def deadline_s(self, route_s: float, x: int) -> float:
+        """A first-token deadline for an attempt sent with x prompt tokens ahead and its own (`ctx.forecast_x`):
+        the route's, or DEADLINE_MARGIN over what it is expected to take, whichever is later."""
+        return max(route_s, DEADLINE_MARGIN * self.expect(x))
 
 
 def predictions(forecasts: Iterable[tuple[str, Forecast]]) -> dict[str, float]:

@@ -32,13 +32,13 @@ from typing import TYPE_CHECKING, Any, Callable
 from . import apis
 from .config import Settings
 from .slo import tpot_s
-from .timing import Breakdown, RequestTiming
+from .timing import Breakdown, RequestTiming, failover_shares
 from .tracing import OPERATIONS
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.metrics.export import MetricExporter, MetricsData
 
-    from .metrics import ModelLabels
+    from .labels import ModelLabels
     from .slo import Verdict
 
 log = logging.getLogger("llmproxy.meters")
@@ -64,9 +64,9 @@ class InstrumentDef:
 INSTRUMENTS: tuple[InstrumentDef, ...] = (
     InstrumentDef("gen_ai.client.operation.duration", "histogram", "s", "GenAI operation duration, as the proxy's clients saw it: request received to the last byte relayed (failures too, with error.type).", OPERATION_BUCKETS),
     InstrumentDef("gen_ai.client.token.usage", "histogram", "{token}", "Tokens per request, by gen_ai.token.type (input, output).", TOKEN_BUCKETS),
-    InstrumentDef("gen_ai.server.time_to_first_token", "histogram", "s", "Time to the first content chunk of a successful streamed response.", TTFT_BUCKETS),
+    InstrumentDef("gen_ai.server.time_to_first_token", "histogram", "s", "Time to the first content chunk of a successful streamed response, less the time lost on attempts abandoned on other replicas (llmproxy.phase failover, theirs).", TTFT_BUCKETS),
     InstrumentDef("gen_ai.server.time_per_output_token", "histogram", "s", "Per successful streamed request: (duration - TTFT) / (visible output tokens per choice - 1).", TPOT_BUCKETS),
-    InstrumentDef("llmproxy.phase.duration", "histogram", "s", "Seconds of each phase of a successful request, by llmproxy.phase (client, proxy, wait: the proxy's own wait for its upstream pool, network, tokenize, queue, load, reasoning, prefill, decode, server); they sum to its duration.", PHASE_BUCKETS),
+    InstrumentDef("llmproxy.phase.duration", "histogram", "s", "Seconds of each phase of a successful request, by llmproxy.phase (client, proxy, failover: with the server.address of the replica abandoned, wait: the proxy's own wait for its upstream pool, network, tokenize, queue, load, reasoning, prefill, decode, server); they sum to its duration.", PHASE_BUCKETS),
     InstrumentDef("llmproxy.decode.rate", "histogram", "{token}/s", "Per successful request: tokens streamed after each choice's first content chunk / its decode window, averaged over choices.", RATE_BUCKETS),
     InstrumentDef("llmproxy.slo.requests", "counter", "{request}", "Generation requests judged against their objective (--slo), by llmproxy.slo and llmproxy.slo.result (good, bad)."),
     InstrumentDef("llmproxy.slo.misses", "counter", "{request}", "Bad requests by llmproxy.slo.objective (ttft, tpot, e2e, error) and llmproxy.slo.blame (the phase, or the outcome)."),
@@ -154,15 +154,19 @@ class Meters:
                     self._add("llmproxy.slo.misses", 1, judged + (("llmproxy.slo.objective", objective), ("llmproxy.slo.blame", blamed)))
             if not ok:
                 return
-            if b.ttft_s is not None:
-                self._histogram("gen_ai.server.time_to_first_token", b.ttft_s, tenanted)
+            if b.ttft_s is not None:  # the serving replica's own: the abandoned replicas' time is theirs (below), as in metrics.py
+                self._histogram("gen_ai.server.time_to_first_token", b.ttft_s - b.phases.get("failover", 0.0), tenanted)
                 per_token = tpot_s(t, b)
                 if per_token is not None:
                     self._histogram("gen_ai.server.time_per_output_token", per_token, common)
             if b.decode_tokens_per_second is not None:
                 self._histogram("llmproxy.decode.rate", b.decode_tokens_per_second, tenanted)
             for phase, seconds in b.phases.items():
-                self._histogram("llmproxy.phase.duration", max(0.0, seconds), common + (("llmproxy.phase", phase),))
+                if phase != "failover":
+                    self._histogram("llmproxy.phase.duration", max(0.0, seconds), common + (("llmproxy.phase", phase),))
+            for attempt, part in failover_shares(t, b):
+                abandoned = tuple((k, attempt.host if k == "server.address" else attempt.port if k == "server.port" else v) for k, v in common)
+                self._histogram("llmproxy.phase.duration", part, abandoned + (("llmproxy.phase", "failover"),))
 
     def collect(self, delta: bool = False) -> MetricsData:
         """The aggregates as the SDK's MetricsData, what the OTLP exporter encodes. `delta`: what

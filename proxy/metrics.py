@@ -18,7 +18,9 @@ from prometheus_client.exposition import choose_encoder, generate_latest
 from .buckets import DURATION_BUCKETS, GAP_BUCKETS, OVERHEAD_BUCKETS, PREFILL_TPS_BUCKETS, RTT_BUCKETS, TPS_BUCKETS, TTFT_BUCKETS
 from .records import DROP_REASONS
 from .slo import BEFORE_FIRST_TOKEN, FAILED, Verdict
-from .timing import PHASES, Breakdown, RequestTiming
+from .health import EJECT_REASONS, STATES
+from .labels import ModelLabels
+from .timing import PHASES, Breakdown, RequestTiming, failover_shares
 
 BASE = ("model", "upstream", "endpoint", "stream")
 # The families that tell callers apart (a tenant the --tenants file names, `unknown` or `other`): the
@@ -61,7 +63,7 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("llmproxy_max_fds", "gauge", "The open files limit (RLIMIT_NOFILE soft limit, after the proxy raised it to the hard one), summed over worker processes.", ()),
     MetricDef("llmproxy_accept_pauses", "counter", "Times the listener stopped accepting for 50 ms because the process was out of descriptors (or memory); clients waited in the listen backlog.", ("reason",)),
     MetricDef("llmproxy_request_duration_seconds", "histogram", "End to end: request received by the proxy to the last byte relayed (successful requests), by tenant too.", TENANTED, DURATION_BUCKETS),
-    MetricDef("llmproxy_time_to_first_token_seconds", "histogram", "First content chunk of any choice minus request received by the proxy (successful streaming requests), by tenant too.", TENANTED, TTFT_BUCKETS),
+    MetricDef("llmproxy_time_to_first_token_seconds", "histogram", "First content chunk of any choice minus request received by the proxy (successful streaming requests), by tenant too; less the time lost on attempts abandoned on other replicas (the phase failover, theirs): the upstream that served it is charged its own TTFT.", TENANTED, TTFT_BUCKETS),
     MetricDef("llmproxy_inter_token_latency_seconds", "histogram", "Per choice: gap between consecutive content chunks divided by the tokens in the later chunk.", BASE, GAP_BUCKETS),
     MetricDef("llmproxy_inter_chunk_latency_seconds", "summary", "Per choice: gap between consecutive content chunks (mean from sum / count).", BASE),
     MetricDef("llmproxy_decode_tokens_per_second", "histogram", "Per request: tokens streamed after each choice's first content chunk / that choice's decode window, averaged over choices; hidden reasoning tokens excluded; by tenant too.", TENANTED, TPS_BUCKETS),
@@ -76,16 +78,21 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("llmproxy_token_cache_lookups", "counter", "Prompt parts (a message, the tools, the instructions) looked up in the proxy's token-count cache, by result (hit: counted before, not tokenized again; miss: tokenized). hit / all is the hit ratio.", ("result",)),
     MetricDef("llmproxy_token_cache_bytes", "gauge", "Bytes of prompt text whose token counts the cache holds (at most 64 MiB per process).", ()),
     MetricDef("llmproxy_tokens", "counter", "Tokens by kind (prompt, completion, cached_prompt: prompt tokens served from the cache, reasoning: hidden reasoning tokens, part of completion) and source (usage, engine, tokenizer).", ("model", "upstream", "kind", "source")),
+    MetricDef("llmproxy_prefix_predicted_tokens", "counter", "Prompt tokens the replica's prefix index predicted it had cached (pick: predicted_ttft; the prompts sent to it, prefix.py), on the requests whose engine reported its cached tokens; beside llmproxy_prefix_reported_tokens_total: how right the index is.", ("upstream",)),
+    MetricDef("llmproxy_prefix_reported_tokens", "counter", "Prompt tokens the engine reported cached (prompt_tokens_details.cached_tokens, cache_read_input_tokens, llama.cpp's cache_n) on the requests its prefix index made a prediction for: what llmproxy_prefix_predicted_tokens_total is checked against.", ("upstream",)),
     MetricDef("llmproxy_upstream_connections", "counter", "Upstream requests by whether they reused a pooled connection.", ("upstream", "reused")),
     MetricDef("llmproxy_upstream_pool_connections", "gauge", "Connections of the proxy's own pool to each upstream now, by state: in_use (lent to a request) or idle (kept for reuse); over llmproxy_upstream_pool_limit, how full the pool is (read at each scrape; with workers, each worker's every second).", ("upstream", "state")),
     MetricDef("llmproxy_upstream_pool_limit", "gauge", "The size of the proxy's pool per upstream, summed over worker processes: --max-connections, else --max-in-flight, else the streams the open files limit holds.", ("upstream",)),
     MetricDef("llmproxy_upstream_pool_waits", "counter", "Requests that found the upstream's pool full, by result: waited (they got a connection within --pool-timeout; that wait is the phase `wait`, the proxy's own) or refused (503 proxy_overloaded, reason pool). Any at all: the proxy's own pool is the bottleneck, not the network or the engine.", ("upstream", "result")),
     MetricDef("llmproxy_failovers", "counter", "Attempts abandoned for another replica of the route, by the replica abandoned and why: connect_error, broken (the connection failed before anything reached the client), status_5xx, status_429, deadline (no content token by the route's first_token_deadline). Their time is the phase failover; each request's attempts are in its record.", ("model", "upstream", "reason")),
+    MetricDef("llmproxy_upstream_ejections", "counter", "Times each replica was set aside for failing, by reason: consecutive_failures, failure_share (of its attempts over the ejection window), retry_after (a 429 or 503 asked for quiet), probe_failed (its probe after an ejection failed too). Routes file `ejection:`.", ("upstream", "reason")),
+    MetricDef("llmproxy_upstream_state", "gauge", "Each replica's health now, 1 for its state: serving, ejected (set aside; its time up, the next request is its probe) or probing (the probe in flight); read at each scrape.", ("upstream", "state")),
     MetricDef("llmproxy_upstream_predicted_ttft_seconds", "gauge", "Each replica's predicted server time to first token for a 1,000-token prompt sent now: its pending prompt work and its own recent requests' prefill fit (pick: predicted_ttft; read at each scrape). What an external endpoint picker could use too.", ("upstream",)),
     MetricDef("llmproxy_telemetry_errors", "counter", "Failures inside metrics, tracing, tokenizer, records, the SLO verdict or OTLP exports (otlp_export: spans, otlp_metrics: metrics); the request itself was unaffected.", ("component",)),
     MetricDef("llmproxy_records_written", "counter", "Per-request records written to the records store (--records-db).", ()),
     MetricDef("llmproxy_records_buffered", "gauge", "Per-request records waiting to be written to the records store now (the store is down or slow when it grows).", ()),
     MetricDef("llmproxy_records_dropped", "counter", "Per-request records that never reached the store, by reason: buffer_full (the store was down or slow past --records-buffer or --records-buffer-bytes: the oldest went), rejected (the store refused a batch for what it held), shutdown (not written within the flush deadline at SIGTERM).", ("reason",)),
+    MetricDef("llmproxy_records_lost", "counter", "Per-request records lost by a writer that stopped without writing or counting them (a kill -9, an OOM kill, a crash), as the store's boots show (each writer's numbered, written and dropped records): counted once, by the writer that finds the dead one's boot.", ()),
     MetricDef("llmproxy_slo_requests", "counter", "Generation requests judged against their service-level objective (--slo), by tenant and result: good (every stated objective met) or bad. Exact counts: the error ratio and burn rate are bad / all.", ("slo", "model", "upstream", "tenant", "result")),
     MetricDef("llmproxy_slo_misses", "counter", "Bad requests by tenant, the objective missed (ttft, tpot, e2e, error) and its blame: for ttft and e2e the phase furthest above its usual value for the model, for tpot decode, for error the outcome. A request that missed two objectives counts once in each.", ("slo", "model", "upstream", "tenant", "objective", "blame")),
     MetricDef("llmproxy_slo_target", "gauge", "Each objective's target from the --slo file: the share of its requests that must be good (the error budget is 1 - target).", ("slo",)),
@@ -122,48 +129,6 @@ def observe_many(child: Any, values: list[float], bounds: tuple[float, ...] = ()
     total.inc(sum(values))
 
 
-class ModelLabels:
-    """Caps the distinct `model` label values; later ones become `other`. And caps the label sets
-    (model, upstream, endpoint, stream, tenant) the per-request metrics get, whatever mix of APIs,
-    models and tenants made them: past `max_sets`, a new set's model is `other` (its counts and
-    latencies still go somewhere visible), keeping its tenant while a reserve of `max_sets // 16`
-    such sets lasts, then `other` too; so one scrape stays under its series budget with every API
-    and every tenant in use. A tenant's sets are forgotten when its series expire (`forget`)."""
-
-    def __init__(self, limit: int, max_sets: int = 400) -> None:
-        self.limit, self.max_sets = limit, max_sets
-        self._seen: set[str] = set()
-        self._sets: set[tuple[str, ...]] = set()
-        self._folded: set[tuple[str, ...]] = set()  # model `other`, tenant kept: the reserve
-
-    def __call__(self, model: str) -> str:
-        if model in self._seen:
-            return model
-        if len(self._seen) >= self.limit:
-            return "other"
-        self._seen.add(model)
-        return model
-
-    def label_set(self, model: str, *rest: str) -> tuple[str, ...]:
-        """The set to observe (model, *rest); rest's last value is the tenant."""
-        key = (model, *rest)
-        if key in self._sets or key in self._folded:
-            return key
-        if model != "other" and len(self._sets) < self.max_sets:
-            self._sets.add(key)
-            return key
-        folded = ("other", *rest)
-        if folded in self._folded or rest[-1] == "other" or len(self._folded) < max(1, self.max_sets // 16):
-            self._folded.add(folded)
-            return folded
-        return ("other", *rest[:-1], "other")
-
-    def forget(self, tenants: set[str]) -> None:
-        """Their sets no longer count against the budget (their series were removed)."""
-        self._sets = {key for key in self._sets if key[-1] not in tenants}
-        self._folded = {key for key in self._folded if key[-1] not in tenants}
-
-
 class ProxyMetrics:
     """Children are created on first use, per label set: a label set that never observed a value
     (an engine-only summary for an upstream that reports no engine timings, TTFT for a
@@ -197,6 +162,7 @@ class ProxyMetrics:
             self.m["llmproxy_telemetry_errors"].labels(component)
         for reason in DROP_REASONS:
             self.child("llmproxy_records_dropped", reason)
+        self.child("llmproxy_records_lost")
         for result in ("hit", "miss"):
             self.child("llmproxy_token_cache_lookups", result)
 
@@ -241,8 +207,10 @@ class ProxyMetrics:
             child("llmproxy_unmeasured_requests", upstream, t.unmeasured).inc()
         if t.outcome == "overloaded":
             child("llmproxy_requests_rejected", upstream, t.error.rpartition(":")[2]).inc()
-        for attempt in t.attempts:
+        for attempt, part in failover_shares(t, b):
             child("llmproxy_failovers", model, attempt.upstream, attempt.reason).inc()
+            if b is not None and t.outcome == "ok":  # (the phase failover: each abandoned replica's own part)
+                child("llmproxy_phase_seconds", *self.models.label_set(model, attempt.upstream, t.endpoint, stream, tenant)[:4], "failover").inc(part)
         if t.pool_full:
             child("llmproxy_upstream_pool_waits", upstream, "refused" if t.error == "proxy_overloaded:pool" else "waited").inc()
         for step, seconds in (b.connect.items() if b is not None else ()):
@@ -259,12 +227,15 @@ class ProxyMetrics:
                             ("cached_prompt", t.cached_prompt_tokens), ("reasoning", t.hidden_reasoning_tokens)):
             if count:
                 child("llmproxy_tokens", model, upstream, kind, t.token_source).inc(count)
+        if t.prefix_predicted_tokens is not None:
+            child("llmproxy_prefix_predicted_tokens", upstream).inc(t.prefix_predicted_tokens)
+            child("llmproxy_prefix_reported_tokens", upstream).inc(t.cached_prompt_tokens or 0)
         if b is None or t.outcome != "ok":
             return
         ex = {"trace_id": trace_id} if trace_id and not self.multiprocess else None
         child("llmproxy_request_duration_seconds", *tenanted).observe(b.e2e_s, ex)
-        if b.ttft_s is not None:
-            child("llmproxy_time_to_first_token_seconds", *tenanted).observe(b.ttft_s, ex)
+        if b.ttft_s is not None:  # (the serving replica's own: the phase failover is the abandoned replicas', above)
+            child("llmproxy_time_to_first_token_seconds", *tenanted).observe(b.ttft_s - b.phases.get("failover", 0.0), ex)
         if b.prefill_tokens_per_second is not None:
             child("llmproxy_prefill_tokens_per_second", *key).observe(b.prefill_tokens_per_second)
         if t.unmeasured != "client_backpressure":  # (its decode stamps may be the client's pace, not the engine's)
@@ -281,7 +252,8 @@ class ProxyMetrics:
             if engine.per_token_s is not None:
                 child("llmproxy_engine_time_per_output_token_seconds", *key).observe(engine.per_token_s)
         for phase, seconds in b.phases.items():
-            child("llmproxy_phase_seconds", *key, phase).inc(max(0.0, seconds))
+            if phase != "failover":
+                child("llmproxy_phase_seconds", *key, phase).inc(max(0.0, seconds))
         child("llmproxy_proxy_overhead_seconds", upstream, t.endpoint, stream).observe(b.phases.get("proxy", 0.0))
 
     def observe_slo(self, verdict: Verdict, model: str, upstream: str, tenant: str = "unknown") -> None:
@@ -349,6 +321,16 @@ class ProxyMetrics:
         self._remove(("llmproxy_upstream_predicted_ttft_seconds",), lambda key: key[1] not in seconds)
         for label, value in seconds.items():
             self.child("llmproxy_upstream_predicted_ttft_seconds", label).set(value)
+
+    def health(self, states: dict[str, str]) -> None:
+        """Each routed replica's state now (health.py), its ejection counters from 0; an unrouted one's go."""
+        names = ("llmproxy_upstream_state", "llmproxy_upstream_ejections")
+        self._remove(names, lambda key: key[1] not in states)
+        for label, current in states.items():
+            for state in STATES:
+                self.child("llmproxy_upstream_state", label, state).set(1 if state == current else 0)
+            for reason in EJECT_REASONS:
+                self.child("llmproxy_upstream_ejections", label, reason)
 
     def pools(self, upstreams: dict[str, tuple[int, int, int]]) -> None:
         """Each upstream pool's (in use, idle, limit) now; the gauges of an upstream no longer routed go."""

@@ -22,7 +22,7 @@ from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPool
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable, TypeVar
 
-from . import apis
+from . import apis, prefix
 from .chunk import BodyInfo
 from .tokens import PromptParts, Tokenizer
 
@@ -40,6 +40,7 @@ def summarize_request(path: str, body: bytes) -> tuple[dict[str, Any] | None, Pr
         return None, None
     view = {key: parsed[key] for key in SMALL_KEYS if key in parsed}
     view["_partial"] = True
+    view["_chain"] = prefix.chain(parsed)  # (its replicas' prefix indexes read it: prefix.py)
     return view, route.dialect.prompt_parts(route.endpoint, parsed)
 
 

@@ -1,19 +1,23 @@
 """Which replica a request is on, and moving it to another: the relay's side of a route's retries.
 
 The relay makes an attempt on the replica `use` placed the request on; when the attempt fails before
-anything reached the client (a connect error, a 5xx or 429, no first token by the route's deadline),
-`may_retry` says whether another attempt is allowed (retries left, an untried replica, the route's
-retry budget: retry.py) and picks that replica, and `fail_over` abandons the attempt: its connection
-closed (mid-body: aborted, so the engine frees the slot), the attempt kept on the record (its own
-trace span, its time the phase `failover`), the request placed on the next replica. Each placement
-also keeps the replica's forecast (forecast.py) honest: the prompt counts in its pending prefill
-work until the first token comes or the attempt ends (`settle`).
+anything reached the client (a connect error, a 5xx or 429, no first token by its deadline),
+`may_retry` says whether another attempt is allowed (retries left, an untried replica the picker
+may use, the route's retry budget: retry.py) and picks that replica, and `fail_over` abandons the
+attempt: its connection closed (mid-body: aborted, so the engine frees the slot), the attempt kept
+on the record (its own trace span, its time the phase `failover`), the request placed on the next
+replica. Each attempt also tells its replica's two judges: its forecast (forecast.py), whose
+pending prefill work holds the prompt until the first token comes or the attempt ends (`settle`),
+and its health (health.py), which hears one verdict per attempt: a success at the first content
+token (or an answer that is not a failure), a failure when it is abandoned or ends failing (with
+the Retry-After it asked for), or nothing (a 4xx, a client that left).
 """
 from __future__ import annotations
 
 import time
 from typing import TYPE_CHECKING, Any
 
+from .prefix import Chain, Use
 from .retry import Attempt
 from .timing import now_ns
 
@@ -23,32 +27,55 @@ if TYPE_CHECKING:
     from .routes import Router, Rule
     from .context import RequestContext
     from .telemetry import Telemetry
+    from .timing import RequestTiming
     from .upstream import Upstream
 
 
-class Placement:
-    __slots__ = ("router", "telemetry", "ctx", "rule", "prompt", "upstream", "tried", "next", "pending")
+def failed(t: RequestTiming) -> bool:
+    """The request's last attempt ended in the replica's failure: a timeout, the proxy unable to reach or
+    read it, a 5xx or 429 it answered, or its stream broken."""
+    if t.outcome == "timeout":
+        return True
+    return t.outcome == "upstream_error" and (bool(t.error) or t.status_code >= 500 or t.status_code == 429)
 
-    def __init__(self, router: Router, telemetry: Telemetry, ctx: RequestContext, rule: Rule, prompt: int) -> None:
+
+class Placement:
+    __slots__ = ("router", "telemetry", "ctx", "rule", "prompt", "chain", "upstream", "tried", "next", "pending", "probe", "judged",
+                 "retry_after")
+
+    def __init__(self, router: Router, telemetry: Telemetry, ctx: RequestContext, rule: Rule, prompt: int,
+                 chain: Chain | None = None) -> None:
         self.router, self.telemetry, self.ctx, self.rule, self.prompt = router, telemetry, ctx, rule, prompt
+        self.chain = chain  # the prompt as its replicas' prefix indexes see it (prefix.py; None: not indexed)
+        ctx.prompt_estimate = prompt
         self.upstream: Upstream | None = None
         self.tried: tuple[str, ...] = ()  # the replicas abandoned, for another
         self.next: Upstream | None = None  # the next attempt's replica, chosen with the retry
         self.pending = 0  # the prompt's tokens still counted in the replica's pending prefill work
+        self.probe = False  # this attempt is its replica's probe (health.py)
+        self.judged = False  # its replica's health heard this attempt's verdict
+        self.retry_after: float | None = None  # what the replica's 429 or 503 asked for (s)
 
     def use(self, upstream: Upstream) -> None:
-        """The next attempt goes to `upstream`: counted in flight there, its prompt in its pending work."""
+        """The next attempt goes to `upstream`: counted in flight there, its prompt's uncached part (what the replica's
+        prefix index does not hold) in its pending work, and the whole prompt in that index from now on."""
         ctx = self.ctx
         self.upstream, ctx.server = upstream, (upstream.host, upstream.port)
         if ctx.upstream and ctx.upstream != upstream.label:
             self.telemetry.moved(ctx, upstream.label)
         ctx.upstream = upstream.label
         upstream.in_flight += 1
-        f = upstream.forecast
-        ctx.forecast, ctx.forecast_x = f, f.pending + self.prompt
-        f.pending += self.prompt
-        f.last_s = time.monotonic()
-        self.pending = self.prompt
+        f, now, own = upstream.forecast, time.monotonic(), self.prompt
+        if self.chain is not None:
+            index = upstream.prefixes
+            ctx.prefix = Use(index, self.chain, index.match(self.chain))
+            own = max(0, own - ctx.prefix.predicted)
+            index.sent(self.chain)
+        ctx.forecast, ctx.forecast_x, ctx.forecast_own = f, f.pending + own, own
+        f.pending += own
+        f.last_s, f.sent = now, f.sent + 1
+        self.pending = own
+        self.probe, self.judged, self.retry_after = upstream.health.sent(now), False, None
 
     def body(self, parsed: dict[str, Any] | None, original: bytes, route: apis.Route, inject_usage: bool) -> tuple[bytes, bool]:
         """This attempt's request body, and whether usage was asked for in it (a stream, where this replica needs it)."""
@@ -61,18 +88,37 @@ class Placement:
                 return new_body, True
         return original, False
 
+    def deadline_s(self) -> float | None:
+        """This attempt's first-token deadline: the route's, or a margin over what its replica is expected to take
+        for this prompt with the work ahead of it (forecast.py), whichever is later; None: the route has none."""
+        deadline, upstream = self.rule.first_token_deadline, self.upstream
+        if deadline is None or upstream is None:
+            return None
+        return upstream.forecast.deadline_s(deadline, self.ctx.forecast_x)
+
     def settle(self) -> None:
         """Its prompt no longer waits on the replica (the first token came, or the attempt ended)."""
         if self.pending and self.upstream is not None:
             self.upstream.forecast.pending -= self.pending
             self.pending = 0
 
+    def first_token(self) -> None:
+        """The attempt's first content token: its prompt prefilled, and the replica serves (the pump tells)."""
+        self.settle()
+        self._judge(False)
+
+    def could_retry(self) -> bool:
+        """Another attempt could follow this one now: retries left, a replica left to try, budget to spend (nothing counted)."""
+        rule, upstream = self.rule, self.upstream
+        return (upstream is not None and len(self.ctx.timing.attempts) < rule.retries
+                and self.router.could_retry(rule, (*self.tried, upstream.label)) and rule.budget.could_allow())
+
     def may_retry(self) -> bool:
         """Retries left, an untried replica (chosen now), and the budget holds (counted when it does)."""
         rule, upstream = self.rule, self.upstream
         if upstream is None or len(self.ctx.timing.attempts) >= rule.retries:
             return False
-        self.next = self.router.choose(rule, self.prompt, (*self.tried, upstream.label))
+        self.next = self.router.choose(rule, self.prompt, (*self.tried, upstream.label), chain=self.chain)
         return self.next is not None and rule.budget.allow()
 
     def fail_over(self, reason: str, response: Connection | None) -> None:
@@ -86,8 +132,7 @@ class Placement:
         t.attempts.append(Attempt(upstream.label, reason, t.issued_ns or now, now, span_id, upstream.host, upstream.port))
         if t.first_issued_ns is None:
             t.first_issued_ns = t.issued_ns or now
-        if reason == "deadline":  # (at least this long: a stuck replica's forecast learns it, so picking by speed leaves it)
-            upstream.forecast.add(ctx.forecast_x, (now - (t.issued_ns or now)) / 1e9)
+        self._judge(True)
         if response is not None:
             upstream.release(response)  # mid-body: aborted
         upstream.in_flight -= 1
@@ -98,7 +143,28 @@ class Placement:
         self.use(nxt)
 
     def finish(self) -> None:
-        """The request ended: no longer in flight on its replica."""
+        """The request ended: no longer in flight on its replica, which hears the last attempt's verdict."""
         if self.upstream is not None:
             self.upstream.in_flight -= 1
             self.settle()
+            t = self.ctx.timing
+            if failed(t):
+                self.judged = False  # (a stream that broke after its first token: a failure after all)
+                self._judge(True)
+            elif t.outcome == "ok" and t.status_code < 400:
+                self._judge(False)
+            elif not self.judged and self.upstream is not None:
+                self.judged = True
+                self.upstream.health.ended(self.probe)
+
+    def _judge(self, failure: bool) -> None:
+        """The attempt's verdict, once, to its replica's health."""
+        upstream = self.upstream
+        if self.judged or upstream is None:
+            return
+        self.judged = True
+        now = time.monotonic()
+        if failure:
+            upstream.health.failed(now, self.probe, self.retry_after)
+        else:
+            upstream.health.succeeded(now, self.probe)

@@ -17,11 +17,13 @@ limit is moved at most once per sixteenth of itself. Two ways, one set of steps:
 
 The order is kept: the fast way is taken only when nothing is read ahead and no send is under way.
 
-Held (a route with a first-token deadline, which may still send the request to another replica):
-until the first content token, nothing goes to the client, not even the response's start; each
-piece is noted and kept, and the first content (any body, for a response that is not a stream)
-releases them all at once (`release`: the start, then the pieces kept), after which the pump runs
-as above. The client waits for that token anyway, so holding costs it nothing.
+Held (a stream another replica may still take, relay.py): until the first content token, nothing
+goes to the client, not even the response's start; each piece is noted and kept, and the first
+content (any body, for a response that is not a stream) releases them all at once (`release`: the
+start, then the pieces kept), after which the pump runs as above. The client waits for that token
+anyway, so holding costs it nothing. Also released: when the relay says no other attempt can follow
+any more (`unhold`, from its deadline timer), and when what is kept passes the read-ahead limits
+(it counts against them, per stream and for the process, as read-ahead does: connection.py).
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
 from .timing import now_ns
 
 if TYPE_CHECKING:
-    from .connection import Connection
+    from .connection import Budget, Connection
     from .reader import Reader
     from .timing import RequestTiming
 
@@ -51,7 +53,8 @@ NON_STREAM_BODY_LIMIT = 16 * 1024 * 1024  # bytes kept for reading usage from a 
 
 class Pump:
     __slots__ = ("t", "send", "reader", "rewrite", "framed", "json_body", "kept", "silence", "loop", "idle", "grace", "grace_ns",
-                 "move_at_ns", "decoding", "sending", "writer", "held", "release", "on_first")
+                 "move_at_ns", "decoding", "sending", "writer", "held", "release", "on_first", "held_bytes", "budget", "waiting",
+                 "unholding", "task")
 
     def __init__(self, t: RequestTiming, send: Callable[[dict[str, Any]], Awaitable[None]], reader: Reader | None, rewrite: bool,
                  json_body: list[bytes] | None, silence: asyncio.Timeout | None, idle_s: float, writer: BodyWriter | None,
@@ -71,7 +74,12 @@ class Pump:
         self.writer = writer if writer is not None and writer.chunked else None  # None: every piece through the ASGI send
         self.release = release  # held: sends the response's start when the first content comes (None: sent already)
         self.held: list[bytes] | None = [] if release is not None else None
-        self.on_first = on_first  # told when the first content token came (the replica's pending prefill work)
+        self.held_bytes = 0  # of the pieces kept, counted in the read-ahead budget until they go
+        self.budget: Budget | None = None
+        self.waiting = False  # held, and waiting for the next piece (only there may `unhold` interrupt)
+        self.unholding = False
+        self.task: asyncio.Task[Any] | None = None
+        self.on_first = on_first  # told when the first content token came (the replica's pending prefill work, its health)
 
     def _moved(self, now: int) -> None:
         """Move the inter-chunk limit (called when `move_at_ns` is past, or at the first token)."""
@@ -96,23 +104,59 @@ class Pump:
         if self.on_first is not None:
             self.on_first()
 
-    async def _hold(self, chunk: bytes, now: int) -> bool:
-        """Held: note the piece and keep it; at the first content (any body, unframed) release it all. True: released."""
-        held = self.held
+    async def _hold(self, response: Connection) -> None:
+        """Held: each piece noted and kept until the first content (any body, unframed), the end, `unhold` or
+        the read-ahead limits; then all of it at once."""
+        held, read, budget = self.held, response.read, response.budget
         assert held is not None and self.release is not None
-        if self.rewrite:
-            held.append(self.reader.rewrite(chunk, now))  # type: ignore[union-attr]
-        else:
-            held.append(chunk)
-            self._noted(chunk, now)
-        if self.t.content_ns or not self.framed:
-            await self._release_held()
-            return True
-        return False
+        self.budget, self.task = budget, asyncio.current_task()
+        while True:
+            chunk = await self._read_held(read)
+            if chunk is None:
+                break  # unheld
+            if not chunk:
+                return  # (the end: `run` releases what there was)
+            now = response.read_ns
+            kept = self.reader.rewrite(chunk, now) if self.rewrite else chunk  # type: ignore[union-attr]
+            held.append(kept)
+            if not self.rewrite:
+                self._noted(chunk, now)
+            self.held_bytes += len(kept)
+            budget.used += len(kept)
+            if self.t.content_ns or not self.framed or self.held_bytes > budget.per_stream or budget.used > budget.total:
+                break
+        await self._release_held()
+
+    async def _read_held(self, read: Callable[[], Awaitable[bytes]]) -> bytes | None:
+        """The next piece; None: `unhold` interrupted the wait."""
+        self.waiting = True
+        try:
+            return await read()
+        except asyncio.CancelledError:
+            if not self.unholding or self.task is None:
+                raise
+            self.task.uncancel()
+            self.unholding = False
+            return None
+        finally:
+            self.waiting = False
+
+    def unhold(self) -> None:
+        """From the relay's deadline timer, no other attempt possible: what is held goes now, the rest as it comes."""
+        if self.held is not None and self.waiting and self.task is not None:
+            self.unholding = True
+            self.task.cancel()
+
+    def discard(self) -> None:
+        """The pieces kept leave the read-ahead budget (released, or the attempt abandoned)."""
+        if self.budget is not None and self.held_bytes:
+            self.budget.used -= self.held_bytes
+            self.held_bytes = 0
 
     async def _release_held(self) -> None:
         """The response's start and every piece kept, at once."""
         assert self.held is not None and self.release is not None
+        self.discard()
         await self.release()
         body, self.held = b"".join(self.held), None
         sent = now_ns()
@@ -146,14 +190,12 @@ class Pump:
     async def run(self, response: Connection) -> None:
         """The task's loop: the pieces the fast way did not take, then the end of the response."""
         t, send, read = self.t, self.send, response.read
+        if self.held is not None:
+            await self._hold(response)
         response.fast = self.forward if self.writer is not None and self.held is None else None
         try:
             while chunk := await read():
                 now = response.read_ns  # when the bytes came off the socket (connection.py), not when this task woke
-                if self.held is not None:
-                    if await self._hold(chunk, now) and self.writer is not None:
-                        response.fast = self.forward  # released: the fast way from now on
-                    continue
                 decoding = self.decoding
                 if decoding and now > self.move_at_ns:
                     self._moved(now)

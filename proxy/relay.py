@@ -2,14 +2,22 @@
 until one answers: placement.py), bytes out as they arrive. The hot path.
 
 API-agnostic: the request path resolves to a route of one dialect (`proxy/apis/`), which reads
-the request and says what each event means. The loop in `_stream` timestamps each upstream read,
-forwards it untouched, then hands a copy to the response's `Reader` (reader.py: decode, frame,
-note content chunks). It builds no metric, span or log: `Telemetry.finish` does that once, from the
-request's context, in `run`'s one `finally`. Only when the proxy injected usage (or strips engine
-fields) does it forward per SSE event, to drop what the client did not ask for; it then asks the
-upstream for identity encoding, and if the upstream compresses anyway, the client gets the
-decoded stream. A stream or body that cannot be decoded or framed (an event past
-`--max-event-bytes`) is relayed as it comes and counted as unmeasured.
+the request and says what each event means. Each attempt's response goes out through a `Reply`
+(reply.py), whose pump (pump.py) timestamps each upstream read, forwards it untouched, then hands
+a copy to the response's `Reader` (reader.py: decode, frame, note content chunks). It builds no
+metric, span or log: `Telemetry.finish` does that once, from the request's context, in `run`'s one
+`finally`. Only when the proxy injected usage (or strips engine fields) does it forward per SSE
+event, to drop what the client did not ask for; it then asks the upstream for identity encoding,
+and if the upstream compresses anyway, the client gets the decoded stream. A stream or body that
+cannot be decoded or framed (an event past `--max-event-bytes`) is relayed as it comes and counted
+as unmeasured.
+
+Attempts: a stream on a route with a first-token deadline is held (nothing reaches the client
+before its first content token) only while another attempt could follow it: a replica left to try
+and retry budget to spend. The deadline is the route's, or more for a prompt its replica is
+expected to take longer over (forecast.py). When it passes, the attempt is abandoned if a retry is
+allowed then; if not, what was held goes out at once and the rest as it comes. The first-token
+limit (`first_token_timeout`) bounds the request across its attempts.
 """
 from __future__ import annotations
 
@@ -20,20 +28,18 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from starlette.types import Receive, Scope, Send
 
-from . import apis
-from .chunk import without_engine_fields
-from .compression import DecodeError, Decoder
+from . import apis, prefix
 from .config import Settings
-from .engine import from_llamacpp, from_tgi, from_vllm
+from .engine import from_llamacpp, from_vllm
 from .errors import ModelNotRouted, ProxyError, ProxyOverloaded, TransportError, UpstreamTimeout, map_transport_error
 from .forecast import tokens
+from .health import retry_after_s
 from .placement import Placement
 from .retry import FailOver
-from .reader import Reader
-from .request import ClientGone, check_request, filter_headers, header, read_body
-from .framing import framer
-from .pump import Pump
+from .reply import Reply, content_length
+from .request import ClientGone, check_request, filter_headers, read_body
 from .context import RequestContext
+from .text import MODEL_CHARS, storable
 from .timing import STAMPS, RequestTiming, note_slow_client, now_ns
 
 if TYPE_CHECKING:
@@ -78,19 +84,15 @@ class Exchange:
         self.relaying = False
         self.client_gone = False
         self.started = False  # http.response.start went to the client
-        self.pump: Pump | None = None  # the hot path of a streamed response (pump.py)
-        self.reader: Reader | None = None  # what the response's bytes meant (made when its headers arrive)
+        self.reply: Reply | None = None  # the attempt's response on its way to the client (reply.py)
         self.response: Connection | None = None
         self.place: Placement | None = None  # which replica of its route it is on (made once the body is parsed)
         self.task: asyncio.Task[Any] | None = None
         self.failing_over = ""  # why the deadline abandons the attempt ("": it does not)
-        self.held_start: tuple[int, list[tuple[bytes, bytes]]] | None = None  # a held response's start, sent at its first content
+        self.holding = False  # this attempt's stream is held for its first token (another attempt may follow)
+        self.first_token_by: float | None = None  # the first-token limit of the request, across its attempts (loop time)
         self.route = apis.OTHER  # what the path means: its API (dialect) and endpoint
-        self.json_body: list[bytes] | None = None
-        self.body_encoding = b"identity"
         self.injected = False  # we asked for include_usage: drop the usage chunk, strip usage:null
-        self.strip = False  # --strip-engine-fields applies to this response
-        self.rewrite = False  # forward per SSE event instead of per read
 
     async def run(self) -> None:
         t, app = self.t, self.app
@@ -132,6 +134,8 @@ class Exchange:
             if t.response_end_ns is None:
                 t.response_end_ns = now_ns()
             note_slow_client(t, self.stamps, self.response)
+            if self.reply is not None and self.reply.pump is not None:
+                self.reply.pump.discard()  # (a response still held when the request ended: its bytes leave the read-ahead)
             if self.place is not None and self.place.upstream is not None:
                 self.place.finish()
                 if self.response is not None:
@@ -144,7 +148,7 @@ class Exchange:
             if message["type"] == "http.disconnect":
                 # The openai client may close the connection once it read [DONE], before the
                 # upstream's end of stream is relayed: that request finished normally.
-                if self.relaying and not (self.reader is not None and self.reader.done):
+                if self.relaying and not (self.reply is not None and self.reply.reader is not None and self.reply.reader.done):
                     self.client_gone = True
                     task.cancel()
                 return
@@ -158,18 +162,21 @@ class Exchange:
         original = body
         if parsed is not None:
             model, t.stream = dialect.model_and_stream(route.endpoint, parsed)
-            t.model = model or route.model or "unknown"
+            t.model = storable(model or route.model or "unknown", MODEL_CHARS)  # (sent on unchanged; measured storable)
         elif route.model:
-            t.model = route.model
+            t.model = storable(route.model, MODEL_CHARS)
         if route.stream is not None:  # the path says (Gemini)
             t.stream = route.stream
         t.user = app.tenants.user(self.scope["headers"], parsed)
         rule, prompt = app.router.route(t.model), tokens(len(body))
-        upstream = app.router.choose(rule, prompt) if rule is not None else None
+        chain = None
+        if rule is not None and parsed is not None and app.router.indexes(rule):  # (a big body's was made in the worker)
+            chain = parsed.get("_chain") if parsed.get("_partial") else prefix.chain(parsed)
+        upstream = app.router.choose(rule, prompt, chain=chain) if rule is not None else None
         if rule is None or upstream is None:
             raise ModelNotRouted(f"the model `{t.model}` is not routed by this proxy (see its routing file)")
         rule.budget.request()
-        self.place = Placement(app.router, app.telemetry, ctx, rule, prompt)
+        self.place = Placement(app.router, app.telemetry, ctx, rule, prompt, chain)
         self.place.use(upstream)
         if parsed is not None:
             ctx.request, ctx.request_size = (None if parsed.get("_partial") else parsed), len(body)
@@ -177,9 +184,10 @@ class Exchange:
         self.relaying = True
         await self._exchange(parsed, original)
         self.relaying = False  # the response is complete: a client closing now is not a disconnect
-        if self.json_body:
-            ctx.body = info = await app.offload.response(dialect.name, self.json_body, self.body_encoding)
-            self.json_body = None
+        reply = self.reply
+        if reply is not None and reply.json_body:
+            ctx.body = info = await app.offload.response(dialect.name, reply.json_body, reply.body_encoding)
+            reply.json_body = None
             if info.undecodable:
                 t.unmeasured = "undecodable"
             engine = info.engine or from_llamacpp(info.timings) or from_vllm(info.metrics)
@@ -206,8 +214,10 @@ class Exchange:
                 await self._attempt(body, original, headers)
                 return
             except FailOver as why:
+                if self.reply is not None and self.reply.pump is not None:
+                    self.reply.pump.discard()
                 self.place.fail_over(why.reason, self.response)
-                self.response = self.reader = self.pump = self.json_body = self.held_start = None
+                self.response = self.reply = None
                 self.failing_over = ""
 
     def _may_retry(self) -> bool:
@@ -215,22 +225,32 @@ class Exchange:
         return not self.started and not self.client_gone and self.place is not None and self.place.may_retry()
 
     def _on_deadline(self) -> None:
-        """The route's first-token deadline: no content yet, and another attempt allowed: abandon this one."""
-        if not self.t.content_ns and self.task is not None and self._may_retry():
+        """This attempt's first-token deadline, no content yet: abandon it if another attempt is allowed now;
+        if not, nothing is held any longer (what was goes out now, the rest as it comes)."""
+        if self.t.content_ns or self.task is None:
+            return
+        if self._may_retry():
             self.failing_over = "deadline"
             self.task.cancel()
+        else:
+            self.holding = False
+            if self.reply is not None and self.reply.pump is not None:
+                self.reply.pump.unhold()
 
     async def _attempt(self, body: bytes, original: bytes, headers: list[tuple[bytes, bytes]]) -> None:
-        t, upstream = self.t, self.upstream
-        assert upstream is not None and self.place is not None
+        t, upstream, place = self.t, self.upstream, self.place
+        assert upstream is not None and place is not None
+        loop = asyncio.get_running_loop()
+        if self.first_token_by is None:
+            self.first_token_by = loop.time() + upstream.first_token_timeout
         limit = upstream.first_token_timeout
         query = self.route.dialect.upstream_query(self.scope.get("query_string", b""), upstream.key is not None or bool(self.app.client_keys))
         url = upstream.target(self.scope["path"], query)
-        loop = asyncio.get_running_loop()
-        hold = self.place.rule.hold_s if t.stream else None
-        deadline = loop.call_later(hold, self._on_deadline) if hold is not None else None
+        hold = place.deadline_s() if t.stream else None
+        self.holding = hold is not None and not self.started and place.could_retry()  # held only while a retry could follow
+        deadline = loop.call_later(hold, self._on_deadline) if self.holding and hold is not None else None
         try:
-            async with asyncio.timeout_at(loop.time() + limit) as silence:
+            async with asyncio.timeout_at(self.first_token_by) as silence:
                 try:
                     response = self.response = await upstream.send(self.scope["method"], url, headers, body, t)
                 except TimeoutError:
@@ -240,7 +260,14 @@ class Exchange:
                     if retried is None:
                         return
                     response = retried
-                await self._respond(response, silence)
+                if response.status >= 500 or response.status == 429:
+                    place.retry_after = retry_after_s(response.headers) if response.status in (429, 503) else None
+                    if self._may_retry():
+                        raise FailOver("status_429" if response.status == 429 else "status_5xx")
+                app = self.app
+                self.reply = Reply(self.ctx, self.route, app.settings, lambda: app.admission.in_flight, self.send, self._start,
+                                   self.stamps.get("writer"), place.first_token, upstream.read_timeout, self.injected)
+                await self.reply.respond(response, silence, self.holding)
         except asyncio.CancelledError:
             if not self.failing_over or self.client_gone or self.task is None:
                 raise
@@ -250,7 +277,7 @@ class Exchange:
             if t.pool_full and t.first_event_ns is None:  # still waiting for the proxy's own pool: not the upstream's
                 raise ProxyOverloaded("pool", f"all {upstream.limit} connections to {upstream.label} stayed in use for the "
                                               f"first-token limit, {limit} s") from None
-            if self.pump is not None and self.pump.sending:
+            if self.reply is not None and self.reply.pump is not None and self.reply.pump.sending:
                 t.outcome, t.error = "client_slow", "client_slow"
                 log.warning("cut a client that stopped reading for over %s s", upstream.read_timeout)
                 return
@@ -283,10 +310,12 @@ class Exchange:
             if len(raw) > ERROR_BODY_LIMIT:
                 break
         if b"stream_options" not in raw or len(raw) > ERROR_BODY_LIMIT:
-            await self._start(response.status, _content_length(filter_headers(response.headers), raw))
+            await self._start(response.status, content_length(filter_headers(response.headers), raw))
             await self.send({"type": "http.response.body", "body": raw, "more_body": len(raw) > ERROR_BODY_LIMIT})
-            if len(raw) > ERROR_BODY_LIMIT:
-                await self._stream(response, None, None)
+            if len(raw) > ERROR_BODY_LIMIT:  # (the rest as it comes, never read)
+                while part := await response.read():
+                    await self.send({"type": "http.response.body", "body": part, "more_body": True})
+                await self.send({"type": "http.response.body", "body": b"", "more_body": False})
             t.status_code, t.outcome = response.status, "upstream_error"
             t.upstream_end_ns = t.response_end_ns = now_ns()
             return None
@@ -302,81 +331,9 @@ class Exchange:
         response = self.response = await upstream.send(self.scope["method"], url, headers, original, t)
         return response
 
-    async def _respond(self, response: Connection, silence: asyncio.Timeout) -> None:
-        t, settings = self.t, self.app.settings
-        if (response.status >= 500 or response.status == 429) and self._may_retry():
-            raise FailOver("status_429" if response.status == 429 else "status_5xx")
-        t.status_code = response.status
-        if response.status >= 400:
-            t.outcome = "upstream_error"
-        t.engine = from_tgi(response.headers) or t.engine
-        out_headers = filter_headers(response.headers)
-        content_type = header(response.headers, b"content-type", b"")
-        encoding = header(response.headers, b"content-encoding", b"identity").strip().lower()
-        compressed = encoding not in (b"identity", b"")
-        is_sse = content_type.startswith(b"text/event-stream")
-        # A stream: SSE, or what the route frames otherwise (Ollama's NDJSON, Gemini's JSON array).
-        framing = "sse" if is_sse else (self.route.framing if t.stream and self.route.framing != "sse" and response.status < 400 else "")
-        # Untimed routes (a stored response's stream, GET /v1/responses/{id}?stream=true) are relayed, never read.
-        timed = bool(framing) and self.route.timed
-        json_ok = self.route.timed and not framing and response.status < 400 and (b"json" in content_type or not content_type)
-        self.strip = settings.strip_engine_fields and (is_sse or (json_ok and not compressed))
-        self.rewrite = is_sse and (self.injected or self.strip)
-        if json_ok:
-            self.json_body, self.body_encoding = [], encoding
-        inflate = None
-        if timed and compressed:
-            try:
-                inflate = Decoder(encoding, settings.max_event_bytes)
-            except DecodeError:
-                t.unmeasured, timed, self.rewrite = "undecodable", False, False
-        if self.rewrite and inflate is not None:  # asked for identity and got it compressed: the client gets it decoded
-            out_headers = [(k, v) for k, v in out_headers if k.lower() != b"content-encoding"]
-        admission = self.app.admission
-        self.reader = Reader(self.route.dialect, self.ctx, lambda: admission.in_flight, framer(framing, settings.max_event_bytes) if timed else None,
-                             inflate, self.injected, self.strip)
-        if framing:
-            out_headers.append((b"x-accel-buffering", b"no"))
-        elif self.strip:
-            await self._buffered(response, out_headers)
-            return
-        length = header(response.headers, b"content-length", None)
-        if length is not None and not self.rewrite:
-            out_headers.append((b"content-length", length))
-        if self.place is not None and self.place.rule.hold_s is not None and response.status < 400 and self.t.stream:
-            self.held_start = (response.status, out_headers)  # held until the first content (pump.py): it may go elsewhere yet
-        else:
-            await self._start(response.status, out_headers)
-        await self._stream(response, self.reader, silence)
-
-    async def _release(self) -> None:
-        assert self.held_start is not None
-        await self._start(*self.held_start)
-
     async def _start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.started = True
         await self.send({"type": "http.response.start", "status": status, "headers": headers})
-
-    async def _stream(self, response: Connection, reader: Reader | None, silence: asyncio.Timeout | None) -> None:
-        """The hot path (pump.py): each piece forwarded as it comes, then noted."""
-        upstream = self.upstream
-        assert upstream is not None  # (a response is only streamed from the upstream the router chose)
-        self.pump = Pump(self.t, self.send, reader, self.rewrite, self.json_body, silence, upstream.read_timeout, self.stamps.get("writer"),
-                         self._release if self.held_start is not None else None, self.place.settle if self.place is not None else None)
-        await self.pump.run(response)
-
-    async def _buffered(self, response: Connection, out_headers: list[tuple[bytes, bytes]]) -> None:
-        """Non-streaming with --strip-engine-fields: the body is rewritten whole, then sent."""
-        t = self.t
-        parts = []
-        while part := await response.read():
-            parts.append(part)
-        t.upstream_end_ns = now_ns()
-        self.json_body = parts
-        body = without_engine_fields(b"".join(parts))
-        await self._start(response.status, _content_length(out_headers, body))
-        t.response_end_ns = now_ns()
-        await self.send({"type": "http.response.body", "body": body, "more_body": False})
 
     async def _fail(self, error: ProxyError) -> None:
         t = self.t
@@ -393,6 +350,3 @@ class Exchange:
         t.response_end_ns = now_ns()
         await self.send({"type": "http.response.body", "body": body, "more_body": False})
 
-
-def _content_length(headers: list[tuple[bytes, bytes]], body: bytes) -> list[tuple[bytes, bytes]]:
-    return [(k, v) for k, v in headers if k.lower() != b"content-length"] + [(b"content-length", str(len(body)).encode())]

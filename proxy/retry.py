@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from .window import Window
+
 RATIO, MIN_PER_S, WINDOW_S = 0.1, 3.0, 10.0  # the defaults: 10% of the route's requests, at least 3 a second, over 10 s
 REASONS = ("connect_error", "broken", "status_5xx", "status_429", "deadline")  # why an attempt was abandoned
 
@@ -47,37 +49,29 @@ class BudgetSpec:
 
 
 class RetryBudget:
-    """Requests and retries per second over the last `window_s` seconds (a ring of one-second cells)."""
+    """Requests and retries over the last `window_s` seconds (window.py)."""
 
-    __slots__ = ("spec", "cells", "second")
+    __slots__ = ("spec", "window")
 
     def __init__(self, spec: BudgetSpec = BudgetSpec()) -> None:
         self.spec = spec
-        self.cells = [[0, 0] for _ in range(max(1, int(spec.window_s + 0.999)))]  # [requests, retries]
-        self.second = 0
-
-    def _cell(self, now: float) -> list[int]:
-        second = int(now)
-        cells = self.cells
-        if second != self.second:
-            for s in range(max(self.second + 1, second - len(cells) + 1), second + 1):
-                cell = cells[s % len(cells)]
-                cell[0] = cell[1] = 0
-            self.second = second
-        return cells[second % len(cells)]
+        self.window = Window(spec.window_s)  # [requests, retries] per second
 
     def request(self, now: float | None = None) -> None:
         """A request's first attempt on this route."""
-        self._cell(time.monotonic() if now is None else now)[0] += 1
+        self.window.cell(time.monotonic() if now is None else now)[0] += 1
+
+    def could_allow(self, now: float | None = None) -> bool:
+        """Whether one more retry would fit now (nothing counted: the relay asks before it holds a stream)."""
+        requests, retries = self.window.totals(time.monotonic() if now is None else now)
+        return retries + 1 <= self.spec.min_per_s * self.spec.window_s + self.spec.ratio * requests
 
     def allow(self, now: float | None = None) -> bool:
         """Whether one more retry fits; if it does, it is counted."""
-        cell = self._cell(time.monotonic() if now is None else now)
-        requests = sum(c[0] for c in self.cells)
-        retries = sum(c[1] for c in self.cells)
-        if retries + 1 > self.spec.min_per_s * self.spec.window_s + self.spec.ratio * requests:
+        now = time.monotonic() if now is None else now
+        if not self.could_allow(now):
             return False
-        cell[1] += 1
+        self.window.cell(now)[1] += 1
         return True
 
 

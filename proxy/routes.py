@@ -16,15 +16,18 @@ The routing file (YAML):
         first_token_deadline: 2.0         # optional: seconds to the first content token; then another replica
         retries: 1                        # further replicas tried at most per request (default: 1 with a deadline, else 0)
         pick: predicted_ttft              # or fewest_in_flight (the default)
-        retry_budget: {ratio: 0.1, min_per_second: 3, window: 10}   # optional (these defaults): retries.py
+        retry_budget: {ratio: 0.1, min_per_second: 3, window: 10}   # optional (these defaults): retry.py
     default: vllm-a                       # optional: else an unknown model is a 404 model_not_found
+    ejection: {consecutive_failures: 5, base_time: 30}   # optional (health.py has every key), or `off`
 
 Every key of the file is checked: an unknown one (a typo in `first_token_deadline` would leave an
 operator believing they have failover) is refused with its line. A route with `retries` tries
 another of its replicas when an attempt fails before anything reached the client: a connect error, a
 5xx or 429, or (with `first_token_deadline`) no content token by the deadline, within its retry
 budget (retry.py); `pick: predicted_ttft` sends each request to the replica with the lowest
-predicted time to first token (forecast.py).
+predicted time to first token (forecast.py). Every replica's health is judged from every attempt
+sent to it (health.py): one failing is set aside, by default, whatever the route's `pick`
+(picker.py filters, scores and picks).
 
 A route's `url` maps request paths exactly as `--upstream` does (`Upstream.target`): the client's
 path goes below the URL's path less a final `/v1`, so one upstream serves OpenAI's `/v1/…`,
@@ -43,13 +46,15 @@ import dataclasses
 import fnmatch
 import logging
 import os
-import random
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
-from . import forecast
 from .config import Settings, checked_entry, parse_yaml, read_text
 from .connection import Budget
+from .health import EjectionSpec, Health
+from .picker import Picker
+from .prefix import Chain
 from .retry import BudgetSpec, RetryBudget
 from .upstream import Upstream
 
@@ -70,12 +75,8 @@ class Rule:
     pick: str = "fewest_in_flight"
     budget: RetryBudget = field(default_factory=RetryBudget)
 
-    @property
-    def hold_s(self) -> float | None:
-        """How long a stream on this route is held for its first token before another replica is tried; None:
-        never held (no deadline, or no retry). Streams only: a non-streaming response's first token is its
-        last, so a deadline would only send it twice."""
-        return self.first_token_deadline if self.retries > 0 else None
+
+
 OVERRIDES = ("connect_timeout", "first_token_timeout", "read_timeout", "write_timeout", "pool_timeout", "max_connections",
              "keepalive_expiry", "upstream_proxy")
 
@@ -102,31 +103,38 @@ def _upstream_settings(base: Settings, spec: dict[str, Any], where: str) -> Sett
 class Router:
     """Which upstream serves a model. Built from the settings; `reload` re-reads the routing file."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, on_eject: Callable[[str, str, float], None] | None = None) -> None:
         self.settings = settings
         self.budget = Budget(settings.stream_buffer_bytes, settings.stream_buffer_total_bytes)  # one for every upstream
+        self.on_eject = on_eject  # (upstream, reason, seconds): each replica set aside (the counter, a log line)
         self.upstreams: dict[str, Upstream] = {}
         self.routes: list[Rule] = []
         self.exact: dict[str, Rule] = {}
         self.globbed: dict[str, Rule | None] = {}  # a model's glob route, once matched (bounded)
         self.default: str | None = None
-        self.rng = random.Random()
-        self.turn = 0
+        self.ejection = EjectionSpec()
+        self.picker = Picker()
         if settings.routes:
             self._install(*self._parse(settings.routes))
         else:
-            upstream = Upstream(settings, self.budget)
+            upstream = self._judged(Upstream(settings, self.budget))
             self.upstreams = {upstream.label: upstream}
             self.routes, self.default = [Rule(("*",), (upstream.label,))], upstream.label
         self.fallback = Rule(("*",), (self.default,)) if self.default is not None else None
 
-    def _parse(self, path: str) -> tuple[dict[str, Settings], list[Rule], str | None]:
+    def _judged(self, upstream: Upstream) -> Upstream:
+        """The upstream's health under the file's `ejection` policy, reporting each ejection."""
+        report = self.on_eject
+        upstream.health = Health(self.ejection, None if report is None else lambda reason, seconds: report(upstream.label, reason, seconds))
+        return upstream
+
+    def _parse(self, path: str) -> tuple[dict[str, Settings], list[Rule], str | None, EjectionSpec]:
         data = parse_yaml(read_text(path, f"routes file {path}"), f"routes file {path}")
         if not isinstance(data, dict) or not isinstance(data.get("upstreams"), list) or not isinstance(data.get("routes", []), list):
             raise ValueError(f"routes file {path}, line 1: expected `upstreams:` (a list) and `routes:` (a list)")
-        unknown = sorted(set(data) - {"upstreams", "routes", "default", "__line__"})
+        unknown = sorted(set(data) - {"upstreams", "routes", "default", "ejection", "__line__"})
         if unknown:
-            raise ValueError(f"routes file {path}, line {data['__line__']}: unknown keys {unknown} (known: upstreams, routes, default)")
+            raise ValueError(f"routes file {path}, line {data['__line__']}: unknown keys {unknown} (known: upstreams, routes, default, ejection)")
         specs: dict[str, Settings] = {}
         for spec in data["upstreams"]:
             settings = _upstream_settings(self.settings, spec, f"routes file {path}")
@@ -137,13 +145,23 @@ class Router:
         default = data.get("default")
         if default is not None and default not in specs:
             raise ValueError(f"routes file {path}: default {default!r} is not an upstream")
-        return specs, routes, default
+        ejection = data.get("ejection")
+        line = ejection.get("__line__", "?") if isinstance(ejection, dict) else data["__line__"]
+        return specs, routes, default, EjectionSpec.parse(ejection, f"routes file {path}, line {line}")
 
-    def _install(self, specs: dict[str, Settings], routes: list[Rule], default: str | None) -> None:
+    def _install(self, specs: dict[str, Settings], routes: list[Rule], default: str | None, ejection: EjectionSpec) -> None:
+        """The parsed file in force. An upstream whose definition did not change keeps its pool and its
+        health (a replica set aside stays aside: a reload is no cure), under the new `ejection` policy."""
         upstreams = {}
+        changed, self.ejection = ejection != self.ejection, ejection
         for name, settings in specs.items():
             current = self.upstreams.get(name)
-            upstreams[name] = current if current is not None and current.settings == settings else Upstream(settings, self.budget)
+            if current is not None and current.settings == settings:
+                upstreams[name] = current
+                if changed:
+                    current.health.configure(ejection)
+            else:
+                upstreams[name] = self._judged(Upstream(settings, self.budget))
         for name, old in self.upstreams.items():
             if upstreams.get(name) is not old:
                 old.close()  # idle connections only: its streams in flight finish on it
@@ -173,18 +191,24 @@ class Router:
                     self.globbed[model] = rule
         return rule if rule is not None else self.fallback
 
-    def choose(self, rule: Rule, prompt_tokens: int = 0, tried: tuple[str, ...] = ()) -> Upstream | None:
-        """One of the route's replicas not tried yet for this request (None: none left), by its `pick`."""
-        names = [n for n in rule.upstreams if n not in tried] if tried else rule.upstreams
-        if len(names) <= 1:
-            return self.upstreams[names[0]] if names else None
-        candidates = [self.upstreams[n] for n in names]
-        if rule.pick == "predicted_ttft":
-            index = forecast.choose([(u.label, u.forecast) for u in candidates], prompt_tokens, self.rng)
-            if index is not None:
-                return candidates[index]
-        self.turn += 1  # ties in turn: replicas equally idle share the requests
-        return min(candidates[self.turn % len(candidates):] + candidates[:self.turn % len(candidates)], key=lambda u: u.in_flight)
+    def replicas(self, rule: Rule) -> list[Upstream]:
+        return [self.upstreams[n] for n in rule.upstreams]
+
+    def choose(self, rule: Rule, prompt_tokens: int = 0, tried: tuple[str, ...] = (), now: float | None = None,
+               chain: Chain | None = None) -> Upstream | None:
+        """One of the route's replicas not tried yet for this request (None: none left), by its `pick` (picker.py)."""
+        if len(rule.upstreams) == 1:
+            return None if tried else self.upstreams[rule.upstreams[0]]
+        return self.picker.choose(rule.pick, self.replicas(rule), prompt_tokens, tried, time.monotonic() if now is None else now, chain)
+
+    @staticmethod
+    def indexes(rule: Rule) -> bool:
+        """Whether the route's placement reads its replicas' prefix indexes (prefix.py): its prompts are chained."""
+        return rule.pick == "predicted_ttft" and len(rule.upstreams) > 1
+
+    def could_retry(self, rule: Rule, tried: tuple[str, ...]) -> bool:
+        """Another replica of the route could take this request now (none chosen, nothing counted)."""
+        return len(rule.upstreams) > 1 and self.picker.could_serve(self.replicas(rule), tried)
 
     def models(self) -> list[str]:
         """The exact model names the routes name (for GET /v1/models)."""

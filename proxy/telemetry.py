@@ -23,10 +23,11 @@ from .config import Settings
 from .meters import Meters
 from .metrics import ProxyMetrics
 from .offload import Offload
-from .records import Writer
+from .records.outbox import Outbox
 from .slo import SLOs
 from .timing import Breakdown, split
 from .context import RequestContext, record_dict
+from .text import MODEL_CHARS, storable
 from .tokens import PromptParts, TokenCache, Tokenizer
 from .tracing import Tracing
 
@@ -75,7 +76,7 @@ class RecordsSink:
         self.records: collections.deque[dict[str, Any]] = collections.deque(maxlen=max(1, size))
         self.log_requests = log_requests
         self.upstream, self.instance = upstream, instance
-        self.store: Writer | None = None  # opened by the app at start-up, in each worker
+        self.store: Outbox | None = None  # opened by the app at start-up, in each worker (its writer: a process of its own)
 
     def export(self, ctx: RequestContext, b: Breakdown | None) -> None:
         if b is None:
@@ -155,6 +156,12 @@ class Telemetry:
                 body = ctx.request
                 t.captured_input = orjson.dumps(body.get("messages") or body.get("prompt") or body.get("input")).decode()
 
+    def ejected(self, upstream: str, reason: str, seconds: float) -> None:
+        """A replica set aside for failing (health.py): counted, and said (rare, and an operator's first question)."""
+        log.warning("replica %s set aside for %.0f s: %s", upstream, seconds, reason.replace("_", " "))
+        with self._guard("metrics"):
+            self.metrics.child("llmproxy_upstream_ejections", upstream, reason).inc()
+
     def moved(self, ctx: RequestContext, upstream: str) -> None:
         """The request failed over to another replica: its in-flight count goes with it."""
         with self._guard("metrics"):
@@ -222,6 +229,7 @@ class Telemetry:
         if body is not None:
             usage = usage or body.usage
             t.response_model = t.response_model or body.model
+        t.response_model = storable(t.response_model, MODEL_CHARS)  # (the upstream's string: into every sink)
         counts = read_usage(usage)
         t.prompt_tokens, t.completion_tokens = counts.prompt, counts.completion
         t.cached_prompt_tokens, t.reasoning_tokens = counts.cached_prompt, counts.reasoning
@@ -240,16 +248,35 @@ class Telemetry:
         b: Breakdown | None = None
         with self._guard("timing"):
             b = split(t)
+        with self._guard("timing"):
+            self._prefix(ctx)
         if b is not None:
             with self._guard("slo"):
                 ctx.verdict = self.slos.judge(t, b)
-            if ctx.forecast is not None and b.ttft_s is not None and t.outcome == "ok":  # the replica's server time to first token
+            # The replica's server time to first token: a stream's, or the engine's own for a non-streaming answer
+            # (its prefill reported: vLLM's metrics, llama.cpp's timings, Ollama's); a non-streaming answer's
+            # time alone says nothing of its first token (its decode is in it), so it is no sample.
+            if ctx.forecast is not None and t.outcome == "ok" and "prefill" in b.phases:
                 ctx.forecast.add(ctx.forecast_x, sum(b.phases.get(p, 0.0) for p in ("queue", "load", "reasoning", "prefill")))
         if b is not None and self.settings.capture_content:
             t.captured_output = "".join(t.chunk_text) or (ctx.body.text if ctx.body else "")
         for sink in self.sinks:
             with self._guard(sink.name):
                 sink.export(ctx, b)
+
+    @staticmethod
+    def _prefix(ctx: RequestContext) -> None:
+        """What the engine reported cached: the replica's prefix index checked against it (prefix.py; its prediction
+        counted beside it, in the engine's tokens), and the forecast's point made of the prompt it really prefilled."""
+        t, use = ctx.timing, ctx.prefix
+        cached, prompt = t.cached_prompt_tokens, t.prompt_tokens
+        if cached is None or not prompt or t.outcome != "ok":
+            return  # (unchecked: the index is trusted, and the fit's point is its prediction)
+        share = min(1.0, cached / prompt)
+        ctx.forecast_x += round(ctx.prompt_estimate * (1 - share)) - ctx.forecast_own
+        if use is not None and use.prompt.total:
+            t.prefix_predicted_tokens = min(prompt, round(use.predicted * prompt / use.prompt.total))
+            use.index.reported(use.predicted, round(share * use.prompt.total))
 
     async def _prompt_count(self, parts: PromptParts) -> tuple[int, float, int]:
         """(tokens, seconds, tokens looked up): only the parts the cache does not know are counted;

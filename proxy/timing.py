@@ -111,6 +111,7 @@ class RequestTiming:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     cached_prompt_tokens: int | None = None
+    prefix_predicted_tokens: int | None = None  # of those, what the replica's prefix index predicted (prefix.py; None: not checked)
     reasoning_tokens: int | None = None  # as usage reports them (part of completion_tokens)
     prompt_uncounted_parts: int = 0  # prompt parts the tokenizer cannot count (images, audio, files)
     token_source: TokenSource = "usage"
@@ -311,6 +312,14 @@ def split(t: RequestTiming) -> Breakdown:
         client_blocked_s=blocked,
         client_after_s=client_after,
     )
+
+
+def failover_shares(t: RequestTiming, b: Breakdown | None) -> list[tuple[Any, float]]:
+    """The phase failover shared among the abandoned attempts (retry.Attempt) by how long each ran: each
+    abandoned replica owns its part, never the replica that then served (its own TTFT excludes it)."""
+    seconds = b.phases.get("failover", 0.0) if b is not None else 0.0
+    total = sum(a.end_ns - a.start_ns for a in t.attempts)
+    return [(a, seconds * (a.end_ns - a.start_ns) / total if total else seconds / len(t.attempts)) for a in t.attempts]
 
 
 def note_slow_client(t: RequestTiming, stamps: dict[str, Any], response: Any) -> None:

@@ -27,6 +27,8 @@ from .config import Settings
 from .connection import Budget, Connection
 from .admission import pool_size
 from .forecast import Forecast
+from .prefix import Index
+from .health import Health
 from .errors import ConnectError, ConnectTimeout, EgressError, ProxyOverloaded, TransportError, WriteTimeout
 from .timing import RequestTiming, now_ns
 
@@ -68,6 +70,8 @@ class Upstream:
         self.budget = budget or Budget(settings.stream_buffer_bytes, settings.stream_buffer_total_bytes)
         self.in_flight = 0  # requests on this upstream now (the router picks the least busy)
         self.forecast = Forecast()  # its predicted time to first token, from its own recent requests (forecast.py)
+        self.prefixes = Index()  # the prompts sent to it, as its prefix cache may hold them (prefix.py)
+        self.health = Health()  # whether it is set aside for failing (health.py; the router gives it the routes file's policy)
         self.key = settings.upstream_api_key.encode() if settings.upstream_api_key else None  # replaces the client's
         self.first_token_timeout, self.read_timeout = settings.first_token_timeout, settings.read_timeout
         scheme, host, port, base_path = settings.upstream_parts

@@ -65,6 +65,10 @@ def analyse_group(records: list[dict[str, Any]], hardware: dict[str, float] | No
     if prefill is not None:
         report["prefill"] = {**asdict(prefill), "tokens_per_second": 1.0 / prefill.slope if prefill.slope > 0 else None,
                              "fixed_cost_s": prefill.intercept}
+    cached = sum(float(r.get("cached_prompt_tokens") or 0) for r in streams if r.get("prompt_tokens") is not None and "prefill" in r["phases_s"])
+    if prefill is not None and prefill.slope > 0 and cached > 0:  # (added with the prefix cache's figure: issue 47)
+        report["prefix_cache"] = {"cached_tokens": cached, "share": cached / (cached + sum(xs)), "prefill_saved_s": cached * prefill.slope,
+                                  "saved_per_request_s": cached * prefill.slope / len(xs)}
     cx, cy = [], []
     for r in streams:  # (a slow client's held-back stream is the client's pace, not the engine's: left out)
         if r.get("decode_tokens_per_second") and r.get("in_flight_at_decode") and r.get("unmeasured") != "client_backpressure":

@@ -26,7 +26,9 @@ def downgrade(conn: Any, postgres: bool) -> None:
         conn.execute(f"ALTER TABLE llmproxy_records DROP COLUMN {column}")
     for column in ("tenant", *A.V3_SUMS):
         conn.execute(f"ALTER TABLE llmproxy_rollup DROP COLUMN {column}")
+    conn.execute("DROP TABLE IF EXISTS llmproxy_boots")  # (version 4's)
     conn.execute(f"UPDATE {'llmproxy_meta' if postgres else 'meta'} SET value = '2' WHERE key = 'store_version'")
+    conn.execute(f"DELETE FROM {'llmproxy_meta' if postgres else 'meta'} WHERE key = 'store_level'")
 
 
 def write(conn: Any, records: list[dict[str, Any]], postgres: bool) -> None:

@@ -77,7 +77,7 @@ def test_the_finder_sees_a_circle():
 
 def test_the_imports_draw_no_circle():
     edges = graph()
-    assert "proxy.relay" in edges["proxy.app"] and "proxy.pump" in edges["proxy.relay"]  # (the graph is really drawn)
+    assert "proxy.relay" in edges["proxy.app"] and "proxy.pump" in edges["proxy.reply"]  # (the graph is really drawn)
     assert cycle(edges) is None, cycle(edges)
 
 

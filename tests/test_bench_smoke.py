@@ -58,3 +58,26 @@ def test_pick_smoke():
     rows = [line for line in out.splitlines() if line.startswith("| 1 |")]
     assert [row.split(" | ")[1] for row in rows] == ["fewest_in_flight", "predicted_ttft"], out
     assert all(int(row.split(" | ")[2]) > 5 for row in rows) and "lower" in out
+
+
+def test_prefix_affinity_smoke():
+    """bench/prefix_affinity.py, two short sessions of it: the table, its index checked against the engine."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "bench" / "prefix_affinity.py"), "--replicas", "2",
+                          "--sessions", "2", "--turns", "3", "--seeds", "1", "--proxies", "1", "--picks", "predicted_ttft", "reference"],
+                         capture_output=True, text=True, timeout=180, check=True).stdout
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| 2 | 1 |")]
+    assert [row[2] for row in rows] == ["predicted_ttft", "reference"], out
+    assert rows[0][7] == "1.00" and float(rows[0][4]) > 0.3, out  # (predicted / reported; the cache share)
+
+
+def test_sick_fleet_smoke():
+    """bench/sick_fleet.py, one case of it: three equal replicas share non-streaming requests under predicted_ttft."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "bench" / "sick_fleet.py"), "--only", "non_streaming"],
+                         capture_output=True, text=True, timeout=180, check=True).stdout
+    row = next(line for line in out.splitlines() if line.startswith("| three equal replicas"))
+    shares = [int(share.rstrip("%")) for share in row.split("shares ")[1].rstrip(" |").split(" / ")]
+    assert len(shares) == 3 and all(15 <= share <= 55 for share in shares), out

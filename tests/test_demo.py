@@ -13,9 +13,9 @@ def test_demo_prints_the_measured_split():
                          cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     lines = [line for line in out.stdout.splitlines() if line.startswith("│")]
-    assert len(lines) == 14
+    assert len(lines) == 16
     cells = [[cell.strip() for cell in line.split("│")[1:-1]] for line in lines]
-    rows, reasoning, apis, slos = lines[:4], cells[4:7], cells[7:12], cells[12:]
+    rows, reasoning, apis, agents, slos = lines[:4], cells[4:7], cells[7:12], cells[12:14], cells[14:]
     assert rows[0].split("│")[1].strip() == "100" and rows[-1].split("│")[1].strip() == "10000"
     # 20 output tokens at 100 tok/s = 0.19 s of decode: prefill dominates from 1,000 prompt tokens on.
     assert rows[0].rstrip(" │").endswith("decode") and rows[-1].rstrip(" │").endswith("prefill")
@@ -28,6 +28,11 @@ def test_demo_prints_the_measured_split():
     assert [r[0] for r in apis] == ["openai chat", "openai responses", "anthropic messages", "gemini generate_content", "ollama ollama_chat"]
     assert all(r[6:] == [apis[0][6], "20"] for r in apis)  # prompt and completion tokens agree
     assert all(r[1].endswith("ms") and r[5] != "0.0" for r in apis)
+    # Agent sessions on two replicas with prefix caches: predicted_ttft keeps every turn where its conversation is cached.
+    spread, placed = agents
+    assert spread[0] == "fewest_in_flight" and placed[0] == "predicted_ttft" and int(placed[3].rstrip("%")) >= 75  # (a turn may move off a busy replica)
+    assert int(placed[2].rstrip("%")) >= int(spread[2].rstrip("%")) - 2  # (fewest_in_flight may be lucky; never much better)
+    assert "prefix cache: " in out.stdout and "served from cache" in out.stdout  # (explain: what the cache saved)
     # Every request judged: the long prompts (5,000 and 10,000 tokens) and the hidden reasoning miss TTFT, each blamed on
     # its phase; the batching engine misses TPOT at 12 streams (decode), and its capacity is the law's 11 streams within 10%.
     interactive, batched = slos

@@ -1,7 +1,7 @@
-"""Each replica's predicted time to first token (proxy/forecast.py): the fit, the choice, the exploration."""
+"""Each replica's predicted time to first token (proxy/forecast.py): the fit, the gauge, the deadline it gives."""
 import random
 
-from proxy.forecast import MIN_SAMPLES, REFERENCE_TOKENS, STALE_S, Forecast, choose, predictions
+from proxy.forecast import DEADLINE_MARGIN, MIN_SAMPLES, PRIOR_TOKENS_PER_S, Forecast, predictions
 
 
 def trained(seconds_per_token: float, fixed: float, n: int = 60) -> Forecast:
@@ -10,7 +10,7 @@ def trained(seconds_per_token: float, fixed: float, n: int = 60) -> Forecast:
     for _ in range(n):
         x = rng.choice((100, 500, 2000, 8000)) + rng.randrange(0, 3000)  # its prompt and the work pending before it
         f.add(x, fixed + seconds_per_token * x)
-    f.last_s = 1000.0
+    f.last_s, f.sent = 1000.0, n
     return f
 
 
@@ -21,28 +21,11 @@ def test_the_fit_recovers_the_prefill_rate_and_fixed_cost():
     f.pending = 4000  # a second of work ahead of the next request
     assert abs(f.predict(1000) - (0.02 + 5000 / 4000)) < 1e-6
     assert Forecast().predict(1000) is None  # nothing measured yet
-
-
-def test_the_lowest_prediction_wins_and_pending_work_counts():
-    fast, slow = trained(1 / 20000, 0.01), trained(1 / 4000, 0.01)  # the second prefills five times slower
-    rng = random.Random(0)
-    pick = lambda prompt: choose([("fast", fast), ("slow", slow)], prompt, rng, now=1001.0)  # noqa: E731
-    assert pick(8000) == 0
-    fast.pending = 200_000  # ten seconds of prompts already waiting on the fast one
-    assert pick(8000) == 1
-    assert predictions([("fast", fast), ("slow", slow)]).keys() == {"fast", "slow"}
-
-
-def test_a_new_or_forgotten_replica_is_probed_with_short_requests_only():
-    known, new = trained(1 / 20000, 0.01), Forecast()
-    rng = random.Random(0)
-    assert choose([("known", known), ("new", new)], REFERENCE_TOKENS, rng, now=1001.0) == 1  # short: probe it
-    assert choose([("known", known), ("new", new)], 8 * REFERENCE_TOKENS, rng, now=1001.0) == 0  # long: the known one
-    for _ in range(MIN_SAMPLES):
-        new.add(100, 0.01)
-    new.last_s = 1000.0
-    assert choose([("known", known), ("new", new)], 100, rng, now=1000.0 + STALE_S + 1) == 0  # (both stale: the first)
-    assert choose([("a", Forecast()), ("b", Forecast())], 8 * REFERENCE_TOKENS, rng) is None  # nothing known: the caller's fallback
+    few = Forecast()
+    for _ in range(MIN_SAMPLES - 1):
+        few.add(100, 0.1)
+    assert few.predict(100) is None  # (fewer than MIN_SAMPLES answers: no fit)
+    assert predictions([("known", f), ("new", Forecast())]).keys() == {"known"}
 
 
 def test_short_prompts_alone_still_say_how_slow_a_long_one_would_be():
@@ -51,3 +34,15 @@ def test_short_prompts_alone_still_say_how_slow_a_long_one_would_be():
     for x in (200, 210, 190, 205, 195, 200):
         slow.add(x, x / 4000)  # 4,000 tokens/s
     assert abs(slow.predict(6000) - 6000 / 4000) < 1e-9
+
+
+def test_a_deadline_is_never_shorter_than_what_the_prompt_is_expected_to_take():
+    """The route's deadline for a short prompt; for a long one, a margin over its expected TTFT: measured
+    when the replica has a fit, else at the prior rate (a replica never measured is not abandoned for it)."""
+    known = trained(1 / 5000, 0.02)  # 5,000 prompt tokens a second
+    assert known.deadline_s(1.0, 100) == 1.0
+    assert abs(known.deadline_s(1.0, 8000) - DEADLINE_MARGIN * (0.02 + 8000 / 5000)) < 1e-9  # 1.6 s expected: 2.43 s, not 1.0
+    assert Forecast().deadline_s(1.0, 100) == 1.0
+    assert Forecast().deadline_s(1.0, 10_000) == DEADLINE_MARGIN * 10_000 / PRIOR_TOKENS_PER_S
+    # Work ahead of it counts (forecast_x is the pending prompt tokens plus its own): expected queueing is no failure.
+    assert known.deadline_s(1.0, 100 + 20_000) > DEADLINE_MARGIN * 4.0

@@ -240,8 +240,9 @@ def test_the_anthropic_messages_api_against_llama_cpp(engine, via):
 
 def test_explain_over_llama_cpp_agrees_with_its_timings(engine, tmp_path):
     """`explain` over real llama.cpp traffic (prompts of 1 to 16 lines, from its records database):
-    its fitted prefill and decode rates agree with the engine's own `timings` of the same requests."""
-    from proxy.explain import explain, gather, render
+    its fitted prefill and decode rates agree with the engine's own `timings` of the same requests (its prefill
+    rate: the same fit over the engine's own prompt times, so that both are rates past the fixed cost)."""
+    from proxy.explain import explain, gather, render, theil_sen
     from proxy.records import open_backend
 
     path = tmp_path / "records.sqlite"
@@ -255,7 +256,9 @@ def test_explain_over_llama_cpp_agrees_with_its_timings(engine, tmp_path):
         server.stop()
     report = explain(gather([open_backend(str(path))]))
     (group,) = report.values()
-    engine_prefill = statistics.median(r["engine"]["prompt_tokens"] / r["engine"]["prompt_s"] for r in records)
+    engine_fit = theil_sen([(float(r["engine"]["prompt_tokens"]), r["engine"]["prompt_s"]) for r in records])
+    assert engine_fit is not None and engine_fit.slope > 0
+    engine_prefill = 1.0 / engine_fit.slope
     engine_itl = statistics.median(r["engine"]["per_token_s"] for r in records)
     assert group["prefill"]["tokens_per_second"] == pytest.approx(engine_prefill, rel=0.25)
     assert group["decode"]["itl_at_1_s"] == pytest.approx(engine_itl, rel=0.25)

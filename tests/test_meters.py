@@ -7,7 +7,7 @@ from opentelemetry.sdk.metrics.export import AggregationTemporality, InMemoryMet
 
 from proxy.config import Settings
 from proxy.meters import TTFT_BUCKETS, Meters
-from proxy.metrics import ModelLabels
+from proxy.labels import ModelLabels
 from proxy.timing import split
 
 from test_timing import MS, streaming_record

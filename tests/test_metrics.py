@@ -7,7 +7,8 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from proxy.metrics import METRICS, ModelLabels, ProxyMetrics
+from proxy.labels import ModelLabels
+from proxy.metrics import METRICS, ProxyMetrics
 from proxy.timing import split
 
 from test_timing import streaming_record

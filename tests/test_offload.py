@@ -49,7 +49,9 @@ def test_a_big_request_body_is_summarised_in_the_worker():
         small = asyncio.run(offload.request(apis.resolve("/v1/files"), "/v1/files", body))  # an unmeasured path is never parsed
     finally:
         offload.shutdown()
+    chain = view.pop("_chain")  # its prompt as the replicas' prefix indexes see it (prefix.py), made in the worker too
     assert view == {"model": "m", "stream": True, "stream_options": {"include_usage": 1}, "_partial": True}
+    assert chain is not None and len(chain.hashes) == 1 and chain.total == len(orjson.dumps({"role": "user", "content": "x " * BIG_BODY_BYTES})) // 4
     assert parts is not None and parts.texts == ["user", "x " * BIG_BODY_BYTES] and parts.fixed == 3 + 3
     assert small == (None, None)
 

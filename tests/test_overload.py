@@ -106,7 +106,9 @@ def test_the_default_pool_sheds_what_the_limit_cannot_hold(spawn, tmp_path):
     proxy = spawn(Proxy, f"{sim.url}/v1", "--log-level", "info", nofile=(256, 256), log=log)
     result = run_burst(f"{proxy.url}/v1", 400, max_tokens=10)
     assert not result.transport, "a client got no HTTP answer (reset or refused)"
-    assert set(result.statuses) <= {200, 503} and result.statuses[200] >= 96
+    # (about the pool's 96 served: a few may meet the descriptor limit first, the clients' accepted sockets counting
+    # against the same 256, and are refused for descriptors, as asserted below)
+    assert set(result.statuses) <= {200, 503} and result.statuses[200] >= 90
     assert result.codes == {"proxy_overloaded": result.statuses[503]}
     pool, fds = (proxy.metric("llmproxy_requests_rejected_total", reason=r) for r in ("pool", "descriptors"))
     assert pool > 0 and pool + fds == result.statuses[503]

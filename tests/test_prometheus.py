@@ -40,16 +40,26 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     test_rules = workdir / "rules.yml"  # the proxy's rules and the burn-rate rules of the example objectives, in one file
     groups = yaml.safe_load(generate.scaled_rules(RULES.read_text()))["groups"] + yaml.safe_load(SLO_RULES.read_text())["groups"]
     test_rules.write_text(yaml.safe_dump({"groups": groups}))  # (the alert chains' own tests: test_alerts.py)
-    sim = Simulator("--jitter", "0.05")
+    sim = Simulator("--jitter", "0.05", "--prefix-cache-tokens", "200000")  # (cached tokens reported: the Prefix cache row)
     tenants = workdir / "tenants.yaml"  # two applications by their keys (drive() sends with both)
     tenants.write_text("tenants:\n" + "".join(f"  - name: {name}\n    keys: ['{fingerprint(key)}']\n" for name, key in KEYS.items()))
     # Two proxy replicas, both scraped, as a fleet runs them: every panel must sum over instances.
     # `localhost` (not an IP) so the DNS step is measured too.
     # --max-in-flight well above the test load: the saturation panel has a cap to divide by.
     ports = [free_port(), free_port()]
+    # The second replica routes to the simulator and to a replica that is down (nothing listens on its port): its
+    # requests that meet it fail over, it is set aside (the Replicas row has data); by predicted_ttft, whose prefix
+    # index is checked against the simulator's cache (the Prefix cache row).
+    routes = workdir / "routes.yaml"
+    routes.write_text(yaml.safe_dump({"upstreams": [{"name": "down", "url": f"http://127.0.0.1:{free_port()}/v1"},
+                                                    {"name": f"localhost:{sim.port}", "url": f"http://localhost:{sim.port}/v1"}],
+                                      "routes": [{"models": ["*"], "upstreams": ["down", f"localhost:{sim.port}"], "retries": 1,
+                                                  "pick": "predicted_ttft"}],
+                                      "default": f"localhost:{sim.port}"}))
     # The example objectives (dashboards/prometheus/slo.yml) judge the load: the SLO row has data.
-    proxies = [Process(["serve", "--upstream", f"http://localhost:{sim.port}/v1", "--port", str(port), "--max-in-flight", "64",
-                        "--slo", str(SLO_EXAMPLE), "--tenants", str(tenants)], f"http://127.0.0.1:{port}/healthz") for port in ports]
+    proxies = [Process(["serve", *(["--routes", str(routes)] if i else ["--upstream", f"http://localhost:{sim.port}/v1"]), "--port", str(port),
+                        "--max-in-flight", "64", "--slo", str(SLO_EXAMPLE), "--tenants", str(tenants)], f"http://127.0.0.1:{port}/healthz")
+               for i, port in enumerate(ports)]
     prom = Prometheus(workdir, [f"127.0.0.1:{port}" for port in ports], test_rules)
     try:
         yield {"sim": sim, "proxy": f"http://127.0.0.1:{ports[0]}", "proxies": [f"http://127.0.0.1:{p}" for p in ports], "prom": prom}
@@ -76,6 +86,7 @@ def test_every_panel_query_and_rule_returns_data(stack):
     second = drive(stack["proxy"], 6.0, concurrency=8, mix=mix)
     other = drive(stack["proxies"][1], 3.0, concurrency=4, mix=mix)  # the second replica
     assert first.sent + second.sent > 20 and other.sent > 5 and first.failures == second.failures == other.failures == 0
+    assert float(prom.query('sum(llmproxy_upstream_ejections_total{upstream="down"})')["result"][0]["value"][1]) >= 1
     time.sleep(3)  # two more scrapes, and the recording rules evaluated on them
     empty = []
     queries = list(panel_targets())

@@ -200,10 +200,10 @@ def test_a_schema_1_file_is_moved_in_place_while_an_old_worker_keeps_writing(tmp
     store.open()
     schema1.sqlite_write(path, records[500:510])  # the old worker, after the new one migrated: schema_version is still 1
     while store.pending():
-        store.retain()
+        store.maintain()
     schema1.sqlite_write(path, records[510:])
     assert store.pending() == 10
-    store.retain()
+    store.maintain()
     store.close()
     stored = [orjson.loads(data) for data in store.recent(1000, Filters())]
     assert store.pending() == 0 and len(stored) == 520 and all(r["id"].startswith(f"{r['instance']}/v1/") for r in stored)
@@ -244,3 +244,30 @@ def test_a_version_2_file_migrates_while_an_old_worker_keeps_writing(tmp_path):
     assert {t: agg.requests for t, agg in tenants.items()} == {"unknown": 340, "search": 60}
     assert ledger.mean(tenants["search"]) is not None and ledger.mean(tenants["unknown"]) is None  # (version 2 kept no sums)
     assert [orjson.loads(d)["user"] for d in store.recent(10, Filters(tenant="search", user="u-1"))] == ["u-1"] * 10
+
+
+def test_a_migration_that_fails_half_way_leaves_the_file_as_it_was(tmp_path, monkeypatch):
+    """SQLite's migration is one transaction: a statement failing after the columns were added takes them back
+    (executescript would have committed them first), and the file stays a store its old workers write to."""
+    import schema2
+
+    from proxy.records import Unavailable
+    from proxy.records import sqlite as store_module
+
+    path = str(tmp_path / "v2.sqlite")
+    store = SQLiteBackend(path)
+    store.open()
+    store.close()
+    old = sqlite3.connect(path, isolation_level=None)
+    schema2.downgrade(old, postgres=False)
+    columns = [row[1] for row in old.execute("PRAGMA table_info(llmproxy_records)")]
+    monkeypatch.setattr(store_module, "SCHEMA", store_module.SCHEMA + "CREATE TABLE llmproxy_records (broken INTEGER);\n")
+    with pytest.raises(Unavailable, match="already exists"):
+        store.open()
+    assert [row[1] for row in old.execute("PRAGMA table_info(llmproxy_records)")] == columns and "tenant" not in columns
+    assert old.execute("SELECT value FROM meta WHERE key = 'store_version'").fetchone() == ("2",)
+    assert old.execute("SELECT 1 FROM sqlite_master WHERE name = 'llmproxy_boots'").fetchone() is None
+    monkeypatch.undo()
+    store.open()  # (and done right, it takes)
+    assert "tenant" in [row[1] for row in old.execute("PRAGMA table_info(llmproxy_records)")]
+    store.close()

@@ -155,4 +155,12 @@ def test_every_key_of_a_route_is_checked_and_a_wrong_one_refused_with_its_line(t
     path.write_text(yaml.safe_dump({**good, "upstreams": [{"name": "a", "url": "http://127.0.0.1:9/v1", "read_timout": 5}]}, sort_keys=False))
     with pytest.raises(ValueError, match="line 2: upstream 'a' has unknown keys \\['read_timout'\\]"):
         router.reload()
+    # The file's ejection policy: checked likewise; a good one applies to the replicas kept, their health kept.
+    health = router.upstreams["a"].health
+    path.write_text(yaml.safe_dump({**good, "ejection": {"base_time": 5, "consecutive_failure": 2}}, sort_keys=False))
+    with pytest.raises(ValueError, match="line 16: ejection must be `off` or a map of"):
+        router.reload()
+    path.write_text(yaml.safe_dump({**good, "ejection": {"base_time": 5}}, sort_keys=False))
+    router.reload()
+    assert router.upstreams["a"].health is health and health.spec.base_s == 5.0 and health.spec.consecutive == 5
     router.close()

@@ -129,6 +129,15 @@ def test_the_waterfall_matches_the_records(proxy_factory, tmp_path):
             page.wait_for_function("document.querySelectorAll('.row').length === 1")
             page.locator(".row").first.click()
             page.wait_for_function("document.querySelector('#detail').innerText.includes('mobile, end user u-7')")
+            # The replicas line: each replica's health now. A 429 asking for 30 s of quiet sets this one aside
+            # (alone on its route, it still serves: one always does).
+            assert page.inner_text("#replicas") == f"replicas: {proxy.settings.upstream_label} serving"
+            httpx.post(f"{proxy.v1}/chat/completions", json={"model": "sim-7b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+                       headers={"x-sim-error-status": "429", "x-sim-retry-after": "30"}, timeout=30)
+            page.wait_for_selector("#replicas .aside")
+            line = page.inner_text("#replicas")
+            assert line.startswith(f"replicas: {proxy.settings.upstream_label} ejected (retry after, back in ") and line.endswith(" s)"), line
+            assert 25 <= float(line.rsplit("back in ", 1)[1][:-3]) <= 30
         finally:
             browser.close()
     print(f"\n{len(rows)} bars, worst segment {worst:.3f} px off its record; screenshot {ARTIFACT}")

@@ -107,6 +107,10 @@ class Aggregate:
     def count(self, code: int) -> int:
         return sum(self.cells.get(code, {}).values())
 
+    def total(self, code: int) -> float:
+        """A figure's sum over its records (each value its bucket's middle: within 1%)."""
+        return sum(n * (float(index) if code in C.EXACT else C.middle(index)) for index, n in self.cells.get(code, {}).items())
+
     def quantile(self, code: int, q: float = 0.5, zeros: int = 0) -> float | None:
         """The q-quantile of a figure (with `zeros` more values of 0), as `statistics.median` reads
         ranks: between the two middle values for an even count. Within one bucket (1%)."""

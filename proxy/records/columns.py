@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..buckets import DURATION_BUCKETS, TTFT_BUCKETS
+from ..text import storable
 
 GAMMA = 1.02  # bucket ratio: a value is within sqrt(GAMMA) - 1 = 0.995% of its bucket's middle
 LN_GAMMA = math.log(GAMMA)
@@ -39,7 +40,7 @@ DAY_NS = 24 * HOUR_NS
 PHASES = ("client", "proxy", "network", "tokenize", "queue", "load", "reasoning", "prefill", "decode", "server", "wait",
           "failover")  # (appended: codes stay)
 PHASE_CODES = {name: code for code, name in enumerate(PHASES, start=1)}  # 1-31
-OUTPUT, PROMPT, LOAD, QUEUE, DECODE_TPS, DECODE_ITL, LEVEL = range(32, 39)  # (39, 40: reserved)
+OUTPUT, PROMPT, LOAD, QUEUE, DECODE_TPS, DECODE_ITL, LEVEL, CACHED = range(32, 40)  # (40: reserved)
 EXACT = frozenset({LEVEL})  # counted by value, not in a log bucket (64-67: reserved)
 
 # The typed columns, in the order `values` gives them (the stores' schemas declare them in this order).
@@ -72,6 +73,7 @@ FIGURES = (
     Figure(DECODE_TPS, f"{STREAM} AND decode_tps > 0", "decode_tps"),
     Figure(DECODE_ITL, "dy IS NOT NULL", "dy"),
     Figure(LEVEL, f"{STREAM} AND decode_tps > 0 AND in_flight > 0", "in_flight"),
+    Figure(CACHED, "px IS NOT NULL AND prompt IS NOT NULL", "prompt - px"),  # the prefill fit's points' cached tokens (hours compacted since)
 )
 
 
@@ -133,16 +135,41 @@ def decode_point(record: dict[str, Any]) -> tuple[float, float] | None:
     return float(record["in_flight_at_decode"]), 1.0 / tps
 
 
-def values(rid: str, record: dict[str, Any]) -> tuple[Any, ...]:
-    """The typed columns of one record, in `COLUMNS` order. (The hot part of an import: written for speed.)"""
+class Models:
+    """The model names a writer's aggregates keep by name: the first `cap` it sees; the rest count as
+    `other` there (their records keep their names), as the metrics fold them (labels.py): names are
+    the client's, and random ones would grow the rollup without bound."""
+
+    def __init__(self, cap: int = 100) -> None:
+        self.cap, self.seen = cap, set[str]()
+
+    def __call__(self, model: str) -> str:
+        if model in self.seen:
+            return model
+        if len(self.seen) >= self.cap:
+            return "other"
+        self.seen.add(model)
+        return model
+
+
+def _text(value: Any, limit: int = 256) -> str:
+    return storable(value if isinstance(value, str) else str(value), limit)
+
+
+def values(rid: str, record: dict[str, Any], models: Models | None = None) -> tuple[Any, ...]:
+    """The typed columns of one record, in `COLUMNS` order, every text storable (an imported record's
+    too: text.py), the model folded past the writer's cap. (The hot part of an import: written for speed.)"""
     get = record.get
+    rid = _text(rid, 1024)
     received = int(record["received_unix_ns"])
     duration = float(record["duration_s"])
     good = get("slo_good")
     blame = get("slo_blame")
-    dims = (str(get("instance") or ""), record["model"], get("upstream") or "", get("api") or "other", get("endpoint") or "other",
-            record["outcome"], get("slo") or "", "" if good is None else "good" if good else "miss",
-            ";".join(f"{missed}={blamed}" for missed, blamed in sorted(blame.items())) if blame else "", get("tenant") or "unknown")
+    model = _text(record["model"])
+    dims = (_text(get("instance") or ""), models(model) if models is not None else model, _text(get("upstream") or ""),
+            _text(get("api") or "other"), _text(get("endpoint") or "other"), _text(record["outcome"]), _text(get("slo") or ""),
+            "" if good is None else "good" if good else "miss",
+            _text(";".join(f"{missed}={blamed}" for missed, blamed in sorted(blame.items())) if blame else ""), _text(get("tenant") or "unknown"))
     phases = get("phases_s") or {}
     completion = get("completion_tokens")
     ttft, tps = get("ttft_s"), get("decode_tokens_per_second")
@@ -150,4 +177,5 @@ def values(rid: str, record: dict[str, Any]) -> tuple[Any, ...]:
             None if ttft is None else float(ttft), duration, None if tps is None else float(tps),
             *[None if (v := phases.get(p)) is None else float(v) for p in PHASES], *(prefill_point(record) or (None, None)),
             *(decode_point(record) or (None, None)), int(completion or 0), get("prompt_tokens"),
-            completion - (get("hidden_reasoning_tokens") or 0) if completion else None, get("in_flight_at_decode"), get("user") or None)
+            completion - (get("hidden_reasoning_tokens") or 0) if completion else None, get("in_flight_at_decode"),
+            _text(get("user")) if get("user") else None)

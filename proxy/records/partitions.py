@@ -3,20 +3,20 @@ made `DAYS_AHEAD` days ahead and for any day a batch brings (an import's history
 table then ATTACHed, which takes SHARE UPDATE EXCLUSIVE on the parent, so writers and readers never
 wait for it (CREATE TABLE … PARTITION OF would take ACCESS EXCLUSIVE); dropped whole when all of a
 day is older than the age limit, or while the newer days hold the row cap (the planner's counts):
-DETACH … CONCURRENTLY, then DROP. No DELETE, no bloat. A drop interrupted half way (a detach
-pending) is finished at the next pass.
+DETACH … CONCURRENTLY, then DROP. No DELETE, no bloat. A drop interrupted half way is finished at
+the next pass: a detach pending, or a table detached and not dropped (no longer a partition: found
+by its name). Every day is by the store's clock (`now_ns`), never a replica's.
 """
 from __future__ import annotations
 
 import datetime
 import re
-import time
 from typing import Any, Iterable
 
 import psycopg
 
 from . import columns as C
-from .sql import BLOCKS_KEPT_S
+from .sql import BLOCK_NS, BLOCKS_KEPT_S
 
 TABLE, ROLLUP, HIST, HIST_BLOCK = "llmproxy_records", "llmproxy_rollup", "llmproxy_hist", "llmproxy_hist_block"
 PARENTS = (TABLE, ROLLUP, HIST, HIST_BLOCK)  # each by the end time of a record, or the start of a block or hour (ns)
@@ -44,8 +44,8 @@ class Partitions:
     def __init__(self) -> None:
         self.days: set[int] = set()
 
-    def ahead(self, conn: psycopg.Connection[Any]) -> None:
-        today = time.time_ns() // C.DAY_NS
+    def ahead(self, conn: psycopg.Connection[Any], now_ns: int) -> None:
+        today = now_ns // C.DAY_NS
         self.ensure(conn, range(today, today + DAYS_AHEAD + 1))
 
     def ensure(self, conn: psycopg.Connection[Any], days: Iterable[int]) -> None:
@@ -68,13 +68,14 @@ class Partitions:
                             "WHERE i.inhparent = %s::regclass", (parent,)).fetchall()
         return sorted((day, name, tuples, pending) for name, tuples, pending in rows if (day := _day(name)) is not None)
 
-    def expired(self, conn: psycopg.Connection[Any], max_age_s: float, max_rows: int) -> list[str]:
+    def expired(self, conn: psycopg.Connection[Any], max_age_s: float, max_rows: int, now_ns: int) -> list[str]:
         """The partitions to drop: past the age limit (a whole day older than it), then the oldest days
-        while the newer ones hold --records-max-rows; and any a drop left half detached."""
+        while the newer ones hold --records-max-rows; and any a drop left half done."""
         out: list[str] = []
-        cutoff_day = (time.time_ns() - int(max_age_s * 1e9)) // C.DAY_NS if max_age_s > 0 else None  # days before it are past
+        cutoff_day = (now_ns - int(max_age_s * 1e9)) // C.DAY_NS if max_age_s > 0 else None  # days before it are past
         records = self._partitions(conn, TABLE)
-        gone: set[int] = {day for day, _, _, _ in records if cutoff_day is not None and day < cutoff_day}
+        days = {day for parent in PARENTS for day, _, _, _ in self._partitions(conn, parent)}  # (a day whose records a drop took first too)
+        gone: set[int] = {day for day in days if cutoff_day is not None and day < cutoff_day}
         if max_rows > 0 and any(rows < 0 for _, _, rows, _ in records):  # (never counted yet: a sample now)
             for _, name, rows, _ in records:
                 if rows < 0:
@@ -90,9 +91,17 @@ class Partitions:
                 total -= max(0.0, rows)
         for parent in PARENTS:
             out += [name for day, name, _, pending in self._partitions(conn, parent) if day in gone or pending]
-        blocks_kept = (time.time_ns() - int(BLOCKS_KEPT_S * 1e9)) // C.DAY_NS  # (the ten-minute histograms: for a window's first hour)
+        blocks_kept = (now_ns - int(BLOCKS_KEPT_S * 1e9)) // C.DAY_NS  # (the ten-minute histograms: for a window's first hour)
         out += [name for day, name, _, _ in self._partitions(conn, HIST_BLOCK) if day < blocks_kept and name not in out]
-        return out
+        return out + [name for name in self.orphans(conn) if name not in out]
+
+    @staticmethod
+    def orphans(conn: psycopg.Connection[Any]) -> list[str]:
+        """Day tables of ours that are no partition (a drop interrupted after its detach): dropped too."""
+        pattern = "^(" + "|".join(PARENTS) + r")_[0-9]{8}$"
+        return [name for (name,) in conn.execute(
+            "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.relkind = 'r' "
+            "AND n.nspname = current_schema() AND c.relname ~ %s AND NOT c.relispartition", (pattern,)).fetchall()]
 
     def oldest(self, conn: psycopg.Connection[Any]) -> int:
         """Where the oldest day of records begins (ns): anything counted before it is gone."""
@@ -100,7 +109,12 @@ class Partitions:
         return days[0][0] * C.DAY_NS if days else 0
 
     def drop(self, conn: psycopg.Connection[Any], name: str) -> None:
+        """Detached (CONCURRENTLY: readers and writers never wait), then dropped; what a kept block's histograms said
+        goes with its day (`llmproxy_compacted`)."""
         parent = name.rsplit("_", 1)[0]  # (its name: the parent's, _YYYYMMDD)
+        if parent == HIST_BLOCK and (day := _day(name)) is not None:
+            conn.execute(f"DELETE FROM llmproxy_compacted WHERE span = {BLOCK_NS} AND start >= %s AND start < %s",
+                         (day * C.DAY_NS, (day + 1) * C.DAY_NS))
         pending = conn.execute("SELECT inhdetachpending FROM pg_inherits WHERE inhrelid = %s::regclass", (name,)).fetchone()
         if pending is not None:
             conn.execute(f"ALTER TABLE {parent} DETACH PARTITION {name} {'FINALIZE' if pending[0] else 'CONCURRENTLY'}")

@@ -7,22 +7,26 @@ replica writes to one store; every reader (`explain --db postgresql://…`, `/ll
   `llmproxy_records` (the records: typed columns, cells, the JSON), and the hourly aggregates
   `llmproxy_rollup` and `llmproxy_hist` (aggregate.py), which `explain`, the SLO summaries and `/ui`'s
   summaries read instead of the records.
-- Writes: one transaction per batch: COPY into a temporary staging table, then one statement that
+- Writes: one transaction per batch: COPY into the session's staging table, then one statement that
   inserts the records (`ON CONFLICT (ended_ns, key) DO NOTHING`: a batch sent again after a lost
-  commit reply is stored once) and adds exactly the inserted ones to the aggregates. `data` is `json`
-  (kept as text: jsonb parses every record on the server, 3× slower to insert).
+  commit reply, or an import's line already held, is stored once: found by its key in the unique
+  index, never by reading the batch's time range, so an import in any order costs what one in order
+  does), adds exactly the inserted ones to the aggregates, marks dirty what a compaction already read
+  of them (sql.dirty) and moves the writer's boot on (boots.py). `data` is the record compressed (codec.py).
 - Partitions: created `DAYS_AHEAD` days ahead (and for any older day a batch brings, as an import
   does) as a plain table then ATTACHed: SHARE UPDATE EXCLUSIVE on the parent, so writers and readers
   never wait for it. Retention drops whole days: DETACH … CONCURRENTLY then DROP, no DELETE, no bloat.
   A day goes once all of it is older than `--records-max-age`; the optional row cap
   (`--records-max-rows`) drops the oldest days while the others hold that many rows (the planner's
-  counts). One replica at a time does it (the retention advisory lock), every `RETAIN_EVERY_S`.
-- Schema: versioned in `llmproxy_meta` (`store_version`), created or migrated when a replica opens
-  the store under a transaction-level advisory lock (replicas start together); a newer one is refused.
-  Schema 1 kept records in the unpartitioned `llmproxy_requests`, which its replicas check as
-  `schema_version` 1: that table is left as it is, so a rolling upgrade's old replicas keep writing to
-  it, and the retention pass moves its records in (oldest first, `MOVE_CHUNK` at a time, through the
-  same write path, within `MOVE_BUDGET_S`) until it is empty. Drop it once no old replica runs.
+  counts). One replica at a time does it (the retention advisory lock), every `RETAIN_EVERY_S`, in
+  its maintenance thread, on a connection of its own: a detach waiting behind a long export never
+  holds up a write. Days, compaction and crash accounting go by the store's clock (`now()`), never a
+  replica's.
+- Schema: versions and online migrations in migration.py. Schema 1 kept records in the unpartitioned
+  `llmproxy_requests`, which its replicas check as `schema_version` 1: that table is left as it is, so
+  a rolling upgrade's old replicas keep writing to it, and the maintenance pass moves its records in
+  (oldest first, `MOVE_CHUNK` at a time, through the same write path, within `BUDGET_S`) until it is
+  empty; a row it cannot read is dropped and counted. Drop the table once no old replica runs.
 - The password comes from the URL, `--records-db-password-file` (a mounted Secret, re-read at each
   connect) or libpq's own `PGPASSWORD` / `PGPASSFILE`; log lines name the store by `redact(url)`.
 """
@@ -30,75 +34,44 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import math
 import re
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import orjson
 import psycopg
 
 from . import Filters, Rejected, Row, Unavailable
+from . import boots
 from . import codec
 from . import columns as C
 from . import sql as A
-from .partitions import ROLLUP, TABLE, Partitions
+from .migration import LEVEL, TYPES, Newer, finish, prepare
+from .partitions import TABLE, Partitions
 
-STORE_VERSION = 3  # 3: the tenant and the end user (columns), the rollup's tenant and its sums for a mean request
+STORE_VERSION = LEVEL
 LEGACY = "llmproxy_requests"  # schema 1's table
-MIGRATE_LOCK, RETAIN_LOCK = 0x6C6D7001, 0x6C6D7002  # advisory locks ("lm" p n; 3: partitions.py)
+RETAIN_LOCK = 0x6C6D7002  # advisory locks ("lm" p n; 1, 5: migration.py; 3: partitions.py)
 COMPACT_LOCK = 0x6C6D7004  # one per block or hour: (this, its start / its span, + 2^30 for an hour)
 RETAIN_EVERY_S = 5.0
 MOVE_CHUNK = 5000
-BUDGET_S = 2.0  # what one retention pass may spend compacting hours and moving schema 1's records in
+BUDGET_S = 2.0  # what one maintenance pass may spend compacting hours and moving schema 1's records in
 NAMES = (*C.COLUMNS, "data")
-TYPES: dict[str, str] = {**{c: "float8" for c in C.REALS}, **{c: "integer" for c in C.INTEGERS}, **{c: "text" for c in (*C.DIMENSIONS, *C.TEXTS, "rid")},
-         **{c: "bigint" for c in ("key", "ended_ns", "received_ns", "series")}}
 COPY_TYPES = [TYPES.get(name, "bytea") for name in NAMES]
-INDEXES_V3 = (f"CREATE INDEX IF NOT EXISTS {TABLE}_tenant ON {TABLE} (tenant, ended_ns)",  # a quiet tenant's or a user's newest
-              f"CREATE INDEX IF NOT EXISTS {TABLE}_user ON {TABLE} (user_id, ended_ns) WHERE user_id IS NOT NULL")
-SCHEMA = (
-    "CREATE TABLE IF NOT EXISTS llmproxy_meta (key text PRIMARY KEY, value text NOT NULL)",
-    # The records: the typed columns (columns.py: rid, key, the end time that is the partition key, the
-    # dimensions, the figures' values, the fits' points, the blamed phases) and the record as JSON text
-    # (never parsed by the server: cast data::json to query into it).
-    f"CREATE TABLE IF NOT EXISTS {TABLE} ({', '.join(f'{c} {TYPES[c]}' for c in C.COLUMNS)}, data bytea NOT NULL) PARTITION BY RANGE (ended_ns)",
-    # Each index grows at its end (by time): a random insert into a large index misses the cache. The samples: a quiet
-    # model's read from all its points in the window, a busy one's from a sixteenth of them (sql.py).
-    f"CREATE UNIQUE INDEX IF NOT EXISTS {TABLE}_key ON {TABLE} (ended_ns, key)",  # once; the newest first; a batch's range
-    f"CREATE INDEX IF NOT EXISTS {TABLE}_model ON {TABLE} (model, upstream, ended_ns) INCLUDE (key, px, py, dx, dy)",
-    f"CREATE INDEX IF NOT EXISTS {TABLE}_sample ON {TABLE} (model, upstream, ended_ns) INCLUDE (key, px, py, dx, dy) WHERE key < {A.SAMPLED}",
-    # The rare rows the list filters on (an instance's, or a common value's, are found newest first).
-    f"CREATE INDEX IF NOT EXISTS {TABLE}_failed ON {TABLE} (outcome, ended_ns) WHERE outcome <> 'ok'",
-    f"CREATE INDEX IF NOT EXISTS {TABLE}_miss ON {TABLE} (ended_ns) WHERE verdict = 'miss'",
-    f"CREATE INDEX IF NOT EXISTS {TABLE}_ttft ON {TABLE} (ttft_s)",
-    *INDEXES_V3,
-    # The aggregates (sql.py), each keyed by the start of its block or hour (ns), partitioned by day.
-    f"""CREATE TABLE IF NOT EXISTS {ROLLUP} (start bigint NOT NULL, series bigint NOT NULL,
-        {', '.join(f'{name} text NOT NULL' for name in C.DIMENSIONS)},
-        {', '.join(f"{name} {'float8' if name.endswith(A.FLOATS) else 'bigint'}" for name, _, _ in A.SUMS)},
-        PRIMARY KEY (start, series)) PARTITION BY RANGE (start)""",
-    *(statement for table in A.HISTS.values() for statement in (
-        f"""CREATE TABLE IF NOT EXISTS {table} (start bigint NOT NULL, {', '.join(f'{d} text NOT NULL' for d in A.HIST_DIMS)},
-            code integer NOT NULL, bucket integer NOT NULL, n bigint NOT NULL) PARTITION BY RANGE (start)""",
-        f"CREATE INDEX IF NOT EXISTS {table}_start ON {table} (start)")),
-    "CREATE TABLE IF NOT EXISTS llmproxy_compacted (span bigint NOT NULL, start bigint NOT NULL, at_ns bigint NOT NULL, PRIMARY KEY (span, start))",
-    "CREATE TABLE IF NOT EXISTS llmproxy_dirty (span bigint NOT NULL, start bigint NOT NULL, PRIMARY KEY (span, start))",
-)
-# Store version N -> the statements that make it N + 1. 2 -> 3: columns (catalog changes, no rewrite) and two indexes; a
-# replica of version 2 still running keeps writing (tenant null; `unknown` in the rollup), one restarted refuses the store.
-MIGRATIONS: dict[int, tuple[str, ...]] = {2: (
-    f"ALTER TABLE {TABLE} ADD COLUMN IF NOT EXISTS tenant text, ADD COLUMN IF NOT EXISTS user_id text, ADD COLUMN IF NOT EXISTS ph_failover float8",
-    f"ALTER TABLE {ROLLUP} ADD COLUMN IF NOT EXISTS tenant text NOT NULL DEFAULT 'unknown', "
-    + ", ".join(f"ADD COLUMN IF NOT EXISTS {name} {'float8' if name.endswith(A.FLOATS) else 'bigint'}" for name in A.V3_SUMS),
-    *INDEXES_V3,
-)}
-# A batch's rows: the keys in its time range (one index range; keys are hashes of unique ids).
-BATCH_ROWS = "ended_ns >= ? AND ended_ns <= ?"
-HELD = A.POSTGRES.sql(f"SELECT key, ended_ns FROM {TABLE} WHERE {BATCH_ROWS}")
-ADD = A.POSTGRES.sql(A.rollup(A.POSTGRES, f"(SELECT * FROM {TABLE} WHERE {BATCH_ROWS} AND key = ANY(?::bigint[]))"))
+STAGE = "llmproxy_stage"  # the session's: each batch COPYed in, inserted from, gone at commit
 KEY, ENDED = C.COLUMNS.index("key"), C.COLUMNS.index("ended_ns")
 WORK_MEM = "SET LOCAL work_mem = '64MB'"  # the histograms' hash tables in memory (the server's 4 MB default spills them: 2x slower)
+NOW = "SELECT (extract(epoch from clock_timestamp()) * 1000000000)::bigint"  # the store's clock, ns
+# One statement per batch: the staged rows the store does not hold yet inserted (the unique index finds the others),
+# added to the rollup, and the units a compaction read already marked dirty (sql.dirty, from the inserted rows).
+INSERT = A.POSTGRES.sql(
+    f"WITH new AS (INSERT INTO {TABLE} ({', '.join(NAMES)}) SELECT {', '.join(NAMES)} FROM {STAGE} ON CONFLICT (ended_ns, key) DO NOTHING "
+    f"RETURNING *), up AS ({A.rollup(A.POSTGRES, 'new')}), "
+    f"late AS (INSERT INTO llmproxy_dirty (span, start) SELECT DISTINCT c.span, c.start FROM llmproxy_compacted c JOIN new r "
+    f"ON c.start = r.ended_ns - r.ended_ns % c.span AND c.span IN ({A.BLOCK_NS}, {C.HOUR_NS}) ON CONFLICT DO NOTHING) "
+    f"SELECT count(*) FROM new")
 
 
 def _lock_key(span: int, start: int) -> int:
@@ -130,30 +103,22 @@ def _scrubbed(exc: BaseException, url: str) -> str:
     return redact(text.replace(password.group(1), "***") if password and password.group(1) else text)
 
 
-def migrate(conn: psycopg.Connection[Any]) -> None:
-    """Create the schema or bring it to this version, one replica at a time; refuse a newer one."""
-    with conn.transaction():
-        conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATE_LOCK,))
-        conn.execute(SCHEMA[0])
-        row = conn.execute("SELECT value FROM llmproxy_meta WHERE key = 'store_version'").fetchone()
-        version = int(row[0]) if row else 0
-        if version > STORE_VERSION:
-            raise Unavailable(f"the records store is version {version}, newer than this proxy's {STORE_VERSION}: not written")
-        if version == 0:
-            for statement in SCHEMA[1:]:
-                conn.execute(statement)
-        for step in range(version or STORE_VERSION, STORE_VERSION):
-            for statement in MIGRATIONS[step]:
-                conn.execute(statement)
-        conn.execute("INSERT INTO llmproxy_meta (key, value) VALUES ('store_version', %s) ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value",
-                     (str(STORE_VERSION),))
+def _stage(conn: psycopg.Connection[Any]) -> None:
+    """The session's staging table (a batch is COPYed in, inserted from, and gone at its commit)."""
+    conn.execute(f"CREATE TEMPORARY TABLE IF NOT EXISTS {STAGE} (LIKE {TABLE} INCLUDING DEFAULTS) ON COMMIT DELETE ROWS")
+
+
+def now_ns(conn: psycopg.Connection[Any]) -> int:
+    return int(conn.execute(NOW).fetchone()[0])  # type: ignore[index]
 
 
 class PostgresBackend:
     retain_every_s = RETAIN_EVERY_S
 
-    def __init__(self, url: str, max_rows: int = -1, max_age_s: float = 7 * 86400.0, password_file: str = "", bulk: bool = False) -> None:
+    def __init__(self, url: str, max_rows: int = -1, max_age_s: float = 7 * 86400.0, password_file: str = "", bulk: bool = False,
+                 max_models: int = 100) -> None:
         self.url, self.password_file = url, password_file
+        self.models = C.Models(max_models)  # (the rollup's model names: the first this writer sees)
         # An import's sessions commit without waiting for the WAL flush (synchronous_commit off, theirs
         # only): a server crash loses their last commits, records and aggregates together (one
         # transaction), and the import run again stores them (it skips the ids already held).
@@ -163,6 +128,10 @@ class PostgresBackend:
         self.max_age_s = max_age_s
         self.conn: psycopg.Connection[Any] | None = None  # the writer's
         self.partitions = Partitions()
+        self.moved_bad = 0  # schema 1's rows that were no record (dropped while moving them in: the writer counts them)
+        self.maint: psycopg.Connection[Any] | None = None  # the maintenance thread's
+        self.maint_partitions = Partitions()
+        self.tally: Callable[[], boots.Tally] | None = None  # the writer's own figures (records.Writer sets it; an import has none)
         self._readers: list[psycopg.Connection[Any] | None] = [None, None]
         self._reader_locks = (threading.Lock(), threading.Lock())
 
@@ -175,11 +144,17 @@ class PostgresBackend:
             raise Unavailable(f"{self.password_file}: {exc.strerror or exc}") from None
 
     def open(self) -> None:
+        """The writer's connection: the store made, or an older one's columns added (migration.py); its
+        staging table; its days' partitions."""
         conn = self._connect(options=self.session)
         try:
-            migrate(conn)
+            prepare(conn)
+            _stage(conn)
             self.partitions = Partitions()
-            self.partitions.ahead(conn)
+            self.partitions.ahead(conn, now_ns(conn))
+        except Newer as exc:
+            conn.close()
+            raise Unavailable(str(exc)) from None
         except psycopg.Error as exc:
             conn.close()
             raise Unavailable(_scrubbed(exc, self.url)) from None
@@ -189,16 +164,16 @@ class PostgresBackend:
         conn = self.conn
         assert conn is not None
         try:
-            values = [(*C.values(r.rid, record), codec.pack(r.data)) for r in rows for record in (r.parsed(),)]
+            values = [(*C.values(r.rid, record, self.models), codec.pack(r.data)) for r in rows for record in (r.parsed(),)]
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise Rejected(f"not a record: {exc}") from None
         try:
             self.partitions.ensure(conn, {row.ended_ns // C.DAY_NS for row in rows})
             with conn.transaction():
-                return self._insert(conn, values)
-        except psycopg.errors.UniqueViolation as exc:  # another writer stored some of them meanwhile: again, skipping those
-            self.close()
-            raise Unavailable(_scrubbed(exc, self.url)) from None
+                stored = self._insert(conn, values)
+                if self.tally is not None:
+                    conn.execute(*boots.upsert(A.POSTGRES, self.tally(), stored, now_ns(conn)))
+                return stored
         except (psycopg.errors.DataError, psycopg.errors.IntegrityError) as exc:  # what these rows hold
             raise Rejected(_scrubbed(exc, self.url)) from None
         except psycopg.Error as exc:  # down, restarting, slow, the table gone: reconnect (and migrate) and retry
@@ -207,72 +182,89 @@ class PostgresBackend:
 
     @staticmethod
     def _insert(conn: psycopg.Connection[Any], values: list[tuple[Any, ...]]) -> int:
-        """Inside a transaction: the rows the store does not hold yet, COPYed in, and added to the
-        rollup; the blocks and hours a compaction may have read marked dirty. How many were new."""
-        ended = [v[ENDED] for v in values]
-        keys = [_lock_key(span, start) for span, start in A.units(ended)]  # (a compaction of them waits for this batch, or it for one)
-        conn.execute("SELECT pg_advisory_xact_lock_shared(%s, k) FROM unnest(%s::int[]) AS k", (COMPACT_LOCK, keys))
-        span = (min(ended), max(ended))
-        held = set(conn.execute(HELD, span).fetchall())
-        new = [v for v in values if (v[KEY], v[ENDED]) not in held] if held else values
-        if not new:
-            return 0
-        with conn.cursor().copy(f"COPY {TABLE} ({', '.join(NAMES)}) FROM STDIN (FORMAT BINARY)") as copy:
+        """Inside a transaction: the rows COPYed into the stage, then the one statement (INSERT) that stores those
+        the store does not hold, adds them to the rollup and marks dirty what a compaction read. How many were new."""
+        keys = [_lock_key(span, start) for span, start in A.units(v[ENDED] for v in values)]
+        conn.execute("SELECT pg_advisory_xact_lock_shared(%s, k) FROM unnest(%s::int[]) AS k", (COMPACT_LOCK, keys))  # (a compaction waits)
+        with conn.cursor().copy(f"COPY {STAGE} ({', '.join(NAMES)}) FROM STDIN (FORMAT BINARY)") as copy:
             copy.set_types(COPY_TYPES)
-            for value in new:
+            for value in values:
                 copy.write_row(value)
-        conn.execute(ADD, (*span, "{" + ",".join(str(v[KEY]) for v in new) + "}"))  # (an array literal: 50x cheaper to send than a list)
-        late = A.dirty((v[ENDED] for v in new), time.time_ns())
-        if late:
-            conn.cursor().executemany("INSERT INTO llmproxy_dirty (span, start) VALUES (%s, %s) ON CONFLICT DO NOTHING", late)
-        return len(new)
+        return int(conn.execute(INSERT).fetchone()[0])  # type: ignore[index]
 
-    def retain(self) -> None:
-        """One replica at a time: partitions ahead, whole days dropped past the age and row limits, the
-        hours due compacted, and schema 1's records moved in, within BUDGET_S."""
-        conn = self.conn
-        if conn is None:
-            return
+    def maintain(self) -> tuple[int, int]:
+        """The maintenance thread's pass, on its own connection, one replica at a time: partitions ahead, whole
+        days dropped past the age and row limits, the hours due compacted and schema 1's records moved in
+        (within BUDGET_S), an older level's indexes built (migration.py); this writer's boot seen, the boots of
+        writers gone accounted (boots.py). (What they lost, newly counted; schema 1's rows that were no record.)"""
         try:
+            conn = self.maint
+            if conn is None or conn.closed:
+                conn = self.maint = self._connect()
+                _stage(conn)  # (schema 1's records move in through the same statement)
+                self.maint_partitions = Partitions()
+            now = now_ns(conn)
+            lost = boots.account(conn, A.POSTGRES, now, self.tally().boot if self.tally is not None else "")
+            if self.tally is not None:
+                tally = self.tally()
+                conn.execute(A.POSTGRES.sql("UPDATE llmproxy_boots SET assigned = ?, dropped = ?, seen_ns = ? WHERE boot = ?"),
+                             (tally.assigned, tally.dropped, now, tally.boot))
             if not conn.execute("SELECT pg_try_advisory_lock(%s)", (RETAIN_LOCK,)).fetchone()[0]:  # type: ignore[index]
-                return  # another replica is at it
+                return lost, 0  # another replica is at it
             try:
-                self.partitions.ahead(conn)
-                for name in self.partitions.expired(conn, self.max_age_s, self.max_rows):
-                    self.partitions.drop(conn, name)
+                partitions = self.maint_partitions
+                partitions.ahead(conn, now)
+                for name in partitions.expired(conn, self.max_age_s, self.max_rows, now):
+                    partitions.drop(conn, name)
                 for table in ("llmproxy_compacted", "llmproxy_dirty"):  # (what the dropped days' aggregates were)
-                    conn.execute(f"DELETE FROM {table} WHERE start < %s", (self.partitions.oldest(conn),))
+                    conn.execute(f"DELETE FROM {table} WHERE start < %s", (partitions.oldest(conn),))
                 began = time.monotonic()
-                while time.monotonic() - began < BUDGET_S and (self._compact_one(conn) or self._move(conn)):
+                self._compact(conn, budget_s=BUDGET_S)
+                while time.monotonic() - began < BUDGET_S and self._move(conn):
                     pass
+                finish(conn)
             finally:
                 conn.execute("SELECT pg_advisory_unlock(%s)", (RETAIN_LOCK,))
+            bad, self.moved_bad = self.moved_bad, 0
+            return lost, bad
         except psycopg.Error as exc:
-            self.close()
+            if self.maint is not None:
+                self.maint.close()
             raise Unavailable(_scrubbed(exc, self.url)) from None
+
+    def closed(self) -> None:
+        """A clean stop: this writer's boot closed with its last figures (nothing it numbered is unaccounted)."""
+        if self.conn is not None and self.tally is not None:
+            try:
+                self.conn.execute(*boots.close(A.POSTGRES, self.tally(), now_ns(self.conn)))
+            except psycopg.Error:
+                pass  # (unreachable at the end: its boot is accounted as lost later, with what it could not write)
 
     def compact(self, before_ns: int = A.INF_NS) -> int:
         """Every block and hour due (ending before `before_ns`), now: how many (an import's)."""
         conn = self.conn
         assert conn is not None
-        done = 0
-        while self._compact_one(conn, before_ns):
-            done += 1
-        return done
+        return self._compact(conn, before_ns)
 
     @staticmethod
-    def _compact_one(conn: psycopg.Connection[Any], before_ns: int = A.INF_NS) -> bool:
+    def _compact(conn: psycopg.Connection[Any], before_ns: int = A.INF_NS, budget_s: float = math.inf) -> int:
         @contextlib.contextmanager
-        def transaction(span: int, start: int) -> Iterator[None]:
-            with conn.transaction():
-                conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", (COMPACT_LOCK, _lock_key(span, start)))  # (its writers hold the shared side)
+        def transaction(span: int, start: int) -> Iterator[bool]:
+            with conn.transaction():  # (its writers hold the lock's shared side: it waits for them; another compaction: not)
+                if not conn.execute("SELECT pg_try_advisory_xact_lock(%s, %s)", (COMPACT_LOCK, _lock_key(span, start))).fetchone()[0]:  # type: ignore[index]
+                    if conn.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = %s AND objid = %s AND mode = "
+                                    "'ExclusiveLock' AND granted", (COMPACT_LOCK, _lock_key(span, start))).fetchone()[0]:  # type: ignore[index]
+                        yield False
+                        return
+                    conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", (COMPACT_LOCK, _lock_key(span, start)))
                 conn.execute(WORK_MEM)
-                yield
+                yield True
 
-        return A.compact_next(conn, A.POSTGRES, transaction, time.time_ns(), before_ns)
+        return A.compact(conn, A.POSTGRES, transaction, lambda: now_ns(conn), before_ns, budget_s)
 
     def _move(self, conn: psycopg.Connection[Any]) -> bool:
-        """One chunk of schema 1's records into this schema, and out of its table, in one transaction."""
+        """One chunk of schema 1's records into this schema, and out of its table, in one transaction; a row
+        that is no record is dropped with them (counted in `moved_bad`)."""
         if conn.execute("SELECT to_regclass(%s)", (LEGACY,)).fetchone()[0] is None:  # type: ignore[index]
             return False
         with conn.transaction():
@@ -281,21 +273,27 @@ class PostgresBackend:
                 return False
             values = []
             for _, rid, data in rows:
-                record = orjson.loads(data)
-                record["id"] = rid
-                values.append((*C.values(rid, record), codec.pack(orjson.dumps(record))))
-            self.partitions.ensure(conn, {value[ENDED] // C.DAY_NS for value in values})
-            self._insert(conn, values)
+                try:
+                    record = orjson.loads(data)
+                    record["id"] = rid
+                    values.append((*C.values(rid, record, self.models), codec.pack(orjson.dumps(record))))
+                except (ValueError, TypeError, KeyError, AttributeError):
+                    self.moved_bad += 1
+            if values:
+                self.maint_partitions.ensure(conn, {value[ENDED] // C.DAY_NS for value in values})
+                self._insert(conn, values)
             conn.execute(f"DELETE FROM {LEGACY} WHERE id = ANY(%s)", ([row[0] for row in rows],))
         return True
 
     def close(self) -> None:
-        if self.conn is not None:
-            try:
-                self.conn.close()
-            except psycopg.Error:
-                pass  # (already broken: closing it is all that was left)
-            self.conn = None
+        for attribute in ("conn", "maint"):
+            conn = getattr(self, attribute)
+            if conn is not None:
+                try:
+                    conn.close()
+                except psycopg.Error:
+                    pass  # (already broken: closing it is all that was left)
+                setattr(self, attribute, None)
 
     # Readers: two connections, kept (a connection costs a password exchange: /ui asks every 2 s), one
     # reader at a time on each (a window's read uses both at once); dropped when one fails, made again
@@ -340,7 +338,7 @@ class PostgresBackend:
     def _read_window(self, conn: psycopg.Connection[Any], by: tuple[str, ...], window: A.Window) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
         """The sums here; the parts of the histograms (the records' edges, the compacted blocks) split
         between this connection and a second one, at once: the server counts on both cores."""
-        clean = conn.execute(A.POSTGRES.sql(A.CLEAN), (window.first_block,)).fetchall()
+        clean = conn.execute(A.POSTGRES.sql(A.CLEAN), (window.first_block, A.kept_from(time.time_ns()))).fetchall()
         (sums, sargs), *parts = A.queries(A.POSTGRES, by, window, A.halved(A.plan(window, clean), time.time_ns()))
         with self._reading(second=True) as other:
             def run(chunk: list[tuple[str, list[Any]]]) -> list[tuple[Any, ...]]:

@@ -26,6 +26,8 @@ points, the lowest keys: a uniform sample).
 """
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterable
 
@@ -35,9 +37,7 @@ SAMPLE = 2000  # points per fit read from the store; its Theil-Sen slope uses th
 PAIRS = 300
 BLOCK_NS = 600 * 1_000_000_000  # the aggregates' time block: ten minutes
 BLOCKS_KEPT_S = 2 * 86400.0  # the ten-minute histograms are kept this long (a window's first partial hour within it reads them)
-SETTLE_S = 60.0  # a block (an hour) is compacted this long after it ended
-SKEW_S = 30.0  # what the replicas' clocks and the compactor's may disagree by
-LATE_S = SETTLE_S - SKEW_S  # a record whose block (hour) ended this long ago marks it dirty: it may be compacted already
+SETTLE_S = 60.0  # a block (an hour) is compacted this long after it ended, by the store's clock
 INF_NS = 1 << 62
 KINDS = ("api", "endpoint", "outcome", "slo", "verdict", "blame")  # what a group's sums are kept apart by (its populations)
 HIST_DIMS = ("model", "upstream")  # what the compacted histograms are kept by
@@ -142,7 +142,7 @@ def compact_hour(dialect: Dialect, from_blocks: bool) -> str:
 DUE = (f"SELECT span, start FROM (SELECT DISTINCT {BLOCK_NS} AS span, start FROM llmproxy_rollup WHERE start >= ? "
        f"UNION SELECT DISTINCT {C.HOUR_NS}, start / {C.HOUR_NS} * {C.HOUR_NS} FROM llmproxy_rollup) u WHERE start + span <= ? "
        "AND ((span, start) IN (SELECT span, start FROM llmproxy_dirty) OR (span, start) NOT IN (SELECT span, start FROM llmproxy_compacted)) "
-       "ORDER BY span, start LIMIT 1")
+       "ORDER BY span, start")
 
 
 @dataclass(frozen=True)
@@ -253,23 +253,36 @@ def units(ended: Iterable[int]) -> list[tuple[int, int]]:
     return sorted({(span, end - end % span) for end in ended for span in (BLOCK_NS, C.HOUR_NS)})
 
 
-def dirty(ended: Iterable[int], now_ns: int) -> list[tuple[int, int]]:
-    """The (span, start) of these records' blocks and hours that a compaction may have read already:
-    writing them marks those dirty (under the compaction lock's shared side)."""
-    horizon = now_ns - int(LATE_S * 1e9)
-    return [(span, start) for span, start in units(ended) if start + span <= horizon]
+def dirty(dialect: Dialect, ended: Iterable[int]) -> tuple[str, list[int]]:
+    """The statement (and its arguments) that marks dirty the blocks and hours of these records (end times)
+    that are compacted already: in the batch's transaction, under the compaction lock's shared side, a
+    compaction either came before (its row is seen here) or waits for this batch. No clock is read: a
+    replica whose clock is behind, a store that was down, an import, each marks exactly what it reaches."""
+    pairs = units(ended)
+    values = ", ".join(["(?, ?)"] * len(pairs))
+    statement = (f"INSERT INTO llmproxy_dirty (span, start) SELECT span, start FROM llmproxy_compacted WHERE (span, start) IN "
+                 f"(VALUES {values}) ON CONFLICT DO NOTHING")
+    return dialect.sql(statement), [x for pair in pairs for x in pair]
 
 
-def compact_next(conn: Any, dialect: Dialect, transaction: Callable[[int, int], ContextManager[Any]], now_ns: int,
-                 before_ns: int = INF_NS) -> bool:
-    """Compact what is due next (`DUE`, ending before `before_ns`) in one `transaction(span, start)`,
-    on either store's connection; False when nothing is. A block from its records; an hour from its
-    blocks when they are kept and clean, else from its records."""
-    row = conn.execute(dialect.sql(DUE), (now_ns - int(BLOCKS_KEPT_S * 1e9), min(now_ns - int(SETTLE_S * 1e9), before_ns))).fetchone()
-    if row is None:
-        return False
-    span, start = int(row[0]), int(row[1])
-    with transaction(span, start):
+def due(conn: Any, dialect: Dialect, now_ns: int, before_ns: int = INF_NS) -> list[tuple[int, int]]:
+    """The (span, start) of every block and hour due for compaction (`DUE`, ending before `before_ns`), blocks first,
+    each oldest first: read once per pass (it reads the rollup's blocks), then compacted one by one."""
+    rows = conn.execute(dialect.sql(DUE), (now_ns - int(BLOCKS_KEPT_S * 1e9), min(now_ns - int(SETTLE_S * 1e9), before_ns))).fetchall()
+    return [(int(span), int(start)) for span, start in rows]
+
+
+def compact_unit(conn: Any, dialect: Dialect, transaction: Callable[[int, int], ContextManager[bool]], span: int, start: int,
+                 now_ns: int) -> bool:
+    """Compact one block or hour in one `transaction(span, start)`, on either store's connection: a block from its
+    records; an hour from its blocks when they are kept and clean, else from its records. False: another connection
+    is compacting it now (its transaction did not get the lock: it yields False) or did just now, so several
+    connections compact at once (an import's end)."""
+    with transaction(span, start) as mine:
+        if not mine or conn.execute(dialect.sql(
+                "SELECT 1 FROM llmproxy_compacted c WHERE c.span = ? AND c.start = ? AND NOT EXISTS "
+                "(SELECT 1 FROM llmproxy_dirty d WHERE d.span = c.span AND d.start = c.start)"), (span, start)).fetchone():
+            return False
         conn.execute(dialect.sql("DELETE FROM llmproxy_dirty WHERE span = ? AND start = ?"), (span, start))
         conn.execute(dialect.sql(f"DELETE FROM {HISTS[span]} WHERE start = ?"), (start,))
         if span == BLOCK_NS:
@@ -286,8 +299,33 @@ def compact_next(conn: Any, dialect: Dialect, transaction: Callable[[int, int], 
     return True
 
 
-CLEAN = ("SELECT span, start FROM llmproxy_compacted WHERE start >= ? "
-         "AND (span, start) NOT IN (SELECT span, start FROM llmproxy_dirty)")  # what a window may read from the histograms
+def compact(conn: Any, dialect: Dialect, transaction: Callable[[int, int], ContextManager[bool]], now: Callable[[], int],
+            before_ns: int = INF_NS, budget_s: float = math.inf) -> int:
+    """Everything due compacted (within `budget_s`, each unit whole): how many units. Passes until none is due (a
+    pass's hours may be compactable from its blocks only once they are)."""
+    done, began = 0, time.monotonic()
+    while time.monotonic() - began < budget_s:
+        units = due(conn, dialect, now(), before_ns)
+        progress = 0
+        for span, start in units:
+            if time.monotonic() - began >= budget_s:
+                break
+            progress += compact_unit(conn, dialect, transaction, span, start, now())
+        done += progress
+        if not units or not progress:
+            break
+    return done
+
+
+# What a window may read from the histograms (parameters: its first block, the oldest block still kept): hours, and
+# blocks whose histograms retention has not dropped (a block's are kept BLOCKS_KEPT_S: past that, hours only).
+CLEAN = (f"SELECT span, start FROM llmproxy_compacted WHERE start >= ? AND (span = {C.HOUR_NS} OR start >= ?) "
+         "AND (span, start) NOT IN (SELECT span, start FROM llmproxy_dirty)")
+
+
+def kept_from(now_ns: int) -> int:
+    """The oldest block whose histograms are still kept."""
+    return now_ns - int(BLOCKS_KEPT_S * 1e9) + C.DAY_NS  # (a day's margin: retention drops them by day, and clocks differ)
 
 
 def plan(window: Window, clean: Iterable[tuple[int, int]]) -> tuple[list[int], list[int], list[tuple[int, int]]]:

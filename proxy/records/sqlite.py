@@ -3,7 +3,8 @@ process writes to the same file and readers never block writers.
 
 The same design as the fleet's PostgreSQL (aggregate.py, columns.py): the records with their typed
 columns and cells, and the hourly aggregates written in the same transaction, so `explain` over a
-day reads thousands of rows. Retention (rows and age) runs every `RETAIN_EVERY_S`: indexed deletes of
+day reads thousands of rows. Retention (rows and age) runs every `RETAIN_EVERY_S`, in the writer's
+maintenance thread, on a connection of its own, each step a short transaction: indexed deletes of
 the records, and of the aggregates by age only (the row cap trims what a record holds, not what was
 counted). A locked or full file is Unavailable (its rows wait in the buffer, written once it is
 free); a corrupt one, or one written by a newer version (refused, never rewritten), too: counted and
@@ -18,20 +19,24 @@ its records are moved in too (`meta.store_version` is this schema's version).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sqlite3
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import orjson
 
 from . import Filters, Rejected, Row, Unavailable
+from . import boots
 from . import codec
 from . import columns as C
 from . import sql as A
+from .migration import BOOTS, Newer
 
-STORE_VERSION = 3  # 3: the tenant and the end user (columns), the phase failover, the rollup's tenant and its sums for a mean request
+STORE_VERSION = 4  # the level (migration.py has what each brought), the same as the fleet store's
+WRITERS_FROM = 3  # written as store_version: the oldest writers that take this file as it is
 DEFAULT_MAX_ROWS = 1_000_000
 RETAIN_EVERY_S = 1.0
 MOVE_CHUNK = 5000
@@ -60,7 +65,7 @@ CREATE INDEX IF NOT EXISTS {table}_start ON {table} (start);
 """ for table in A.HISTS.values()) + """
 CREATE TABLE IF NOT EXISTS llmproxy_compacted (span INTEGER NOT NULL, start INTEGER NOT NULL, at_ns INTEGER NOT NULL, PRIMARY KEY (span, start));
 CREATE TABLE IF NOT EXISTS llmproxy_dirty (span INTEGER NOT NULL, start INTEGER NOT NULL, PRIMARY KEY (span, start));
-"""
+""" + BOOTS + ";\n"
 INSERT = (f"INSERT INTO llmproxy_records ({', '.join(NAMES)}) VALUES ({', '.join('?' * len(NAMES))}) "
           "ON CONFLICT (ended_ns, key) DO NOTHING")
 ADD = A.rollup(A.SQLITE, "(SELECT * FROM llmproxy_records WHERE id > ?)")
@@ -83,26 +88,34 @@ def connect(path: str, timeout: float = 5.0, readonly: bool = False) -> sqlite3.
     return db
 
 
-# Store version N -> the statements that make it N + 1 (columns added: an older file keeps its rows).
+# Level N -> the statements that make it N + 1 (columns and tables added: an older file keeps its rows, and its
+# writers still write).
 MIGRATIONS = {2: ("ALTER TABLE llmproxy_records ADD COLUMN tenant TEXT", "ALTER TABLE llmproxy_records ADD COLUMN user_id TEXT",
                   "ALTER TABLE llmproxy_records ADD COLUMN ph_failover REAL",
                   "ALTER TABLE llmproxy_rollup ADD COLUMN tenant TEXT NOT NULL DEFAULT 'unknown'",
-                  *(f"ALTER TABLE llmproxy_rollup ADD COLUMN {name} {'REAL' if name.endswith(A.FLOATS) else 'INTEGER'}" for name in A.V3_SUMS))}
+                  *(f"ALTER TABLE llmproxy_rollup ADD COLUMN {name} {'REAL' if name.endswith(A.FLOATS) else 'INTEGER'}" for name in A.V3_SUMS)),
+              3: (BOOTS,)}
 
 
 def migrate(db: sqlite3.Connection) -> None:
-    """Create this schema beside an older one (moved in by `retain`), bring an older version of it
-    up (`MIGRATIONS`), or refuse a newer one (never rewrite it)."""
+    """In the caller's transaction, all or nothing: create this schema beside an older one (moved in by the
+    maintenance pass), bring an older level of it up (`MIGRATIONS`), or refuse a file that takes newer writers
+    only (never rewrite it). (No executescript: it would commit the transaction first.)"""
     has_meta = db.execute("SELECT 1 FROM sqlite_master WHERE name = 'meta'").fetchone() is not None
-    row = db.execute("SELECT value FROM meta WHERE key = 'store_version'").fetchone() if has_meta else None
-    if row is not None and int(row[0]) > STORE_VERSION:
-        raise sqlite3.DatabaseError(f"records store version {row[0]} is newer than this proxy's {STORE_VERSION}")
-    for step in range(int(row[0]) if row is not None else STORE_VERSION, STORE_VERSION):  # (in the caller's transaction)
+    meta = dict(db.execute("SELECT key, value FROM meta").fetchall()) if has_meta else {}
+    floor = int(meta.get("store_version", 0))
+    level = int(meta.get("store_level", floor))
+    if floor > STORE_VERSION:
+        raise Newer(f"the records file takes writers of version {floor} or newer and this proxy writes version {STORE_VERSION}: "
+                    "upgrade it (its records wait in its buffer meanwhile, the oldest dropped past it, counted)")
+    for step in range(level or STORE_VERSION, STORE_VERSION):
         for statement in MIGRATIONS[step]:
             db.execute(statement)
-    db.executescript(SCHEMA)
-    db.execute("INSERT INTO meta (key, value) VALUES ('store_version', ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
-               (str(STORE_VERSION),))
+    for statement in SCHEMA.split(";\n"):
+        if statement.strip():
+            db.execute(statement)
+    for key, value in (("store_level", STORE_VERSION), ("store_version", max(floor, WRITERS_FROM))):
+        db.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value", (key, str(value)))
 
 
 def _legacy(db: sqlite3.Connection) -> bool:
@@ -112,11 +125,15 @@ def _legacy(db: sqlite3.Connection) -> bool:
 class SQLiteBackend:
     retain_every_s = RETAIN_EVERY_S
 
-    def __init__(self, path: str, max_rows: int = -1, max_age_s: float = 7 * 86400.0, busy_timeout_s: float = 5.0) -> None:
+    def __init__(self, path: str, max_rows: int = -1, max_age_s: float = 7 * 86400.0, busy_timeout_s: float = 5.0, max_models: int = 100) -> None:
         self.path = self.where = path
+        self.models = C.Models(max_models)  # (the rollup's model names: the first this writer sees)
         self.max_rows = DEFAULT_MAX_ROWS if max_rows < 0 else max_rows
         self.max_age_s, self.busy_timeout_s = max_age_s, busy_timeout_s
-        self.db: sqlite3.Connection | None = None
+        self.db: sqlite3.Connection | None = None  # the writer's
+        self.maint: sqlite3.Connection | None = None  # the maintenance thread's
+        self.moved_bad = 0  # schema 1's rows that were no record (dropped while moving them in: the writer counts them)
+        self.tally: Callable[[], boots.Tally] | None = None  # the writer's own figures (records.Writer sets it; an import has none)
 
     def open(self) -> None:
         try:
@@ -125,7 +142,7 @@ class SQLiteBackend:
             with db:
                 db.execute("BEGIN IMMEDIATE")
                 migrate(db)
-        except (sqlite3.Error, OSError) as exc:
+        except (sqlite3.Error, OSError, Newer) as exc:
             raise Unavailable(str(exc)) from None
         self.db = db
 
@@ -133,25 +150,29 @@ class SQLiteBackend:
         db = self.db
         assert db is not None
         try:
-            values = [(*C.values(r.rid, record), codec.pack(r.data)) for r in rows for record in (r.parsed(),)]
+            values = [(*C.values(r.rid, record, self.models), codec.pack(r.data)) for r in rows for record in (r.parsed(),)]
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise Rejected(f"not a record: {exc}") from None
         return self._insert(db, values)
 
     def _insert(self, db: sqlite3.Connection, values: list[tuple[Any, ...]], then: tuple[str, tuple[Any, ...]] | None = None) -> int:
-        """Rows and their rollup in one transaction (and `then`, a statement of the same one), the hours a
-        compaction may have read marked dirty; only the rows really inserted count, and how many they
-        were is returned."""
+        """Rows and their rollup in one transaction (and `then`, a statement of the same one), what a compaction
+        read of them marked dirty (sql.dirty) and the writer's boot moved on (boots.py); only the rows really
+        inserted count, and how many they were is returned."""
         try:
             with db:
                 db.execute("BEGIN IMMEDIATE")
                 before = db.execute("SELECT coalesce(max(id), 0) FROM llmproxy_records").fetchone()[0]
                 db.executemany(INSERT, values)
                 db.execute(ADD, (before,))
-                db.executemany("INSERT OR IGNORE INTO llmproxy_dirty (span, start) VALUES (?, ?)", A.dirty((v[ENDED] for v in values), time.time_ns()))
+                if values:
+                    db.execute(*A.dirty(A.SQLITE, (v[ENDED] for v in values)))
                 if then is not None:
                     db.execute(*then)
-                return int(db.execute("SELECT count(*) FROM llmproxy_records WHERE id > ?", (before,)).fetchone()[0])
+                stored = int(db.execute("SELECT count(*) FROM llmproxy_records WHERE id > ?", (before,)).fetchone()[0])
+                if self.tally is not None and then is None:
+                    db.execute(*boots.upsert(A.SQLITE, self.tally(), stored, time.time_ns()))
+                return stored
         except sqlite3.OperationalError as exc:  # locked, full, read-only: the same rows may go in later
             raise Unavailable(str(exc)) from None
         except sqlite3.IntegrityError as exc:
@@ -160,68 +181,100 @@ class SQLiteBackend:
             self.close()
             raise Unavailable(str(exc)) from None
 
-    def retain(self) -> None:
-        """At most max_rows records, none older than max_age_s, the aggregates by age; then the hours due
-        compacted and what an older schema holds moved in, for at most BUDGET_S."""
-        db = self.db
-        if db is None:
-            return
+    def maintain(self) -> tuple[int, int]:
+        """The maintenance thread's pass, on its own connection: at most max_rows records, none older than
+        max_age_s, the aggregates by age, the blocks' histograms past BLOCKS_KEPT_S with what said they were
+        compacted; then the hours due compacted and what an older schema holds moved in, for at most BUDGET_S;
+        this writer's boot seen, the boots of writers gone accounted. (What they lost; schema 1's rows that
+        were no record.) Each step its own short transaction: the writer waits for none of them long."""
         try:
+            db = self.maint
+            if db is None:
+                db = self.maint = connect(self.path, self.busy_timeout_s)
+            now = time.time_ns()  # (one machine, one clock)
+            with db:
+                db.execute("BEGIN IMMEDIATE")
+                lost = boots.account(db, A.SQLITE, now, self.tally().boot if self.tally is not None else "")
+                if self.tally is not None:
+                    tally = self.tally()
+                    db.execute("UPDATE llmproxy_boots SET assigned = ?, dropped = ?, seen_ns = ? WHERE boot = ?",
+                               (tally.assigned, tally.dropped, now, tally.boot))
             with db:
                 db.execute("BEGIN IMMEDIATE")
                 if self.max_age_s > 0:
-                    cutoff = time.time_ns() - int(self.max_age_s * 1e9)
+                    cutoff = now - int(self.max_age_s * 1e9)
                     db.execute("DELETE FROM llmproxy_records WHERE ended_ns < ?", (cutoff,))
                     for table in ("llmproxy_rollup", "llmproxy_hist", "llmproxy_compacted", "llmproxy_dirty"):
                         db.execute(f"DELETE FROM {table} WHERE start < ?", (cutoff - cutoff % C.HOUR_NS,))
-                db.execute("DELETE FROM llmproxy_hist_block WHERE start < ?", (time.time_ns() - int(A.BLOCKS_KEPT_S * 1e9),))
+                kept = now - int(A.BLOCKS_KEPT_S * 1e9)
+                db.execute("DELETE FROM llmproxy_hist_block WHERE start < ?", (kept,))
+                db.execute(f"DELETE FROM llmproxy_compacted WHERE span = {A.BLOCK_NS} AND start < ?", (kept,))
                 if self.max_rows > 0:
                     # Ids are max(id) + 1 and deletes only take the oldest, so the newest max_rows are
                     # those above max(id) - max_rows, found in the index at once.
                     db.execute("DELETE FROM llmproxy_records WHERE id <= (SELECT max(id) FROM llmproxy_records) - ?", (self.max_rows,))
             began = time.monotonic()
-            while time.monotonic() - began < BUDGET_S and (self._compact_one(db) or (_legacy(db) and self._move(db))):
+            self._compact(db, budget_s=BUDGET_S)
+            while time.monotonic() - began < BUDGET_S and _legacy(db) and self._move(db):
                 pass
+            bad, self.moved_bad = self.moved_bad, 0
+            return lost, bad
         except sqlite3.Error as exc:
+            if self.maint is not None:
+                self.maint.close()
+                self.maint = None
             raise Unavailable(str(exc)) from None
+
+    def closed(self) -> None:
+        """A clean stop: this writer's boot closed with its last figures."""
+        if self.db is not None and self.tally is not None:
+            try:
+                with self.db:
+                    self.db.execute("BEGIN IMMEDIATE")
+                    self.db.execute(*boots.close(A.SQLITE, self.tally(), time.time_ns()))
+            except sqlite3.Error:
+                pass  # (its boot is accounted as lost later, with what it could not write)
 
     def compact(self, before_ns: int = A.INF_NS) -> int:
         """Every block and hour due (ending before `before_ns`), now: how many (an import's)."""
         db = self.db
         assert db is not None
-        done = 0
-        while self._compact_one(db, before_ns):
-            done += 1
-        return done
+        return self._compact(db, before_ns)
 
     @staticmethod
-    def _compact_one(db: sqlite3.Connection, before_ns: int = A.INF_NS) -> bool:
+    def _compact(db: sqlite3.Connection, before_ns: int = A.INF_NS, budget_s: float = math.inf) -> int:
         @contextlib.contextmanager
-        def transaction(span: int, start: int) -> Iterator[None]:
+        def transaction(span: int, start: int) -> Iterator[bool]:
             with db:
-                db.execute("BEGIN IMMEDIATE")
-                yield
+                db.execute("BEGIN IMMEDIATE")  # (one writer of the file at a time: a unit is never another's meanwhile)
+                yield True
 
-        return A.compact_next(db, A.SQLITE, transaction, time.time_ns(), before_ns)
+        return A.compact(db, A.SQLITE, transaction, time.time_ns, before_ns, budget_s)  # (one machine, one clock)
 
     def _move(self, db: sqlite3.Connection) -> bool:
-        """One chunk of schema 1's records into this schema (named `instance/v1/id`), in one transaction."""
+        """One chunk of schema 1's records into this schema (named `instance/v1/id`), in one transaction; a row
+        that is no record is dropped with them (counted in `moved_bad`)."""
         rows = db.execute("SELECT id, data FROM requests ORDER BY id LIMIT ?", (MOVE_CHUNK,)).fetchall()
         if not rows:
             return False
         values = []
         for legacy_id, data in rows:
-            record = orjson.loads(data)
-            record.setdefault("instance", "")
-            record["id"] = rid = f"{record['instance']}/v1/{legacy_id}"
-            values.append((*C.values(rid, record), codec.pack(orjson.dumps(record))))
+            try:
+                record = orjson.loads(data)
+                record.setdefault("instance", "")
+                record["id"] = rid = f"{record['instance']}/v1/{legacy_id}"
+                values.append((*C.values(rid, record, self.models), codec.pack(orjson.dumps(record))))
+            except (ValueError, TypeError, KeyError, AttributeError):
+                self.moved_bad += 1
         self._insert(db, values, ("DELETE FROM requests WHERE id <= ?", (rows[-1][0],)))
         return True
 
     def close(self) -> None:
-        if self.db is not None:
-            self.db.close()
-            self.db = None
+        for attribute in ("db", "maint"):
+            db = getattr(self, attribute)
+            if db is not None:
+                db.close()
+                setattr(self, attribute, None)
 
     # Readers: a read-only connection each (WAL: they never block the writers).
 
@@ -250,7 +303,7 @@ class SQLiteBackend:
                 return db.execute(sums, sargs).fetchall(), []
             with db:  # (one snapshot for the plan and both reads)
                 db.execute("BEGIN")
-                clean = db.execute(A.CLEAN, (window.first_block,)).fetchall()
+                clean = db.execute(A.CLEAN, (window.first_block, A.kept_from(time.time_ns()))).fetchall()
                 (sums, sargs), *parts = A.queries(A.SQLITE, by, window, A.plan(window, clean))
                 return db.execute(sums, sargs).fetchall(), [row for text, args in parts for row in db.execute(text, args).fetchall()]
         finally:

@@ -21,12 +21,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable, Iterable
 
-from . import Backend, Rejected, Writer
+from . import Backend, Rejected, Writer, is_postgres
 
 WORKERS = 2
-BATCH = 5000  # rows per transaction (the proxy's own batches: 500 at most)
+BATCH = 20_000  # rows per transaction (the proxy's own batches: 500 at most; a file in random order touches a rollup row per record or so: 8% faster than 5,000)
 CHUNK = 4 * 1024 * 1024  # bytes of lines handed to a worker at a time (whole lines: split by the worker)
-BUFFER = 20_000  # records waiting in a worker's writer
+BUFFER = 20_000  # records waiting in a worker's writer (a batch taken leaves room for the next: about 34 MB of JSON, under the writer's 64 MB)
 LAG = 2 * BUFFER  # records behind a worker's reading a block is taken as written (what may still be buffered)
 DOWN_S = 30.0  # an import gives up after the store has been unreachable this long
 
@@ -39,6 +39,7 @@ class Imported:
     dropped: int = 0
     compacted: int = 0  # blocks and hours
     seconds: float = 0.0
+    final_s: float = 0.0  # of which compacting what was left at the end
 
     @property
     def skipped(self) -> int:
@@ -95,7 +96,10 @@ def _work(open_store: Callable[[], Backend], chunks: Any, progress: Any, index: 
     dropped: collections.Counter[str] = collections.Counter()
     writer = Writer(open_store(), "import", BUFFER, 64 * 1024 * 1024, lambda: None, lambda reason, n: dropped.update({reason: n}),
                     batch=BATCH, retain=False)
-    recent: collections.deque[int] = collections.deque(maxlen=LAG)
+    # The least end time among the last LAG records read (a sliding minimum: (position, end time), increasing), so that
+    # a file in time order advances the compaction behind it and one in random order does not (any block may still get
+    # records: compacted early, it would be compacted again).
+    lowest: collections.deque[tuple[int, int]] = collections.deque()
     lines, rejected, failure = 0, 0, ""
     errors: list[str] = []
     while (chunk := chunks.get()) is not None:
@@ -113,13 +117,42 @@ def _work(open_store: Callable[[], Backend], chunks: Any, progress: Any, index: 
                     errors.append(str(exc))
                 continue
             writer.put_row(row)
-            recent.append(row.ended_ns)
-        if len(recent) == LAG:
-            progress[index] = recent[0]
+            while lowest and lowest[-1][1] >= row.ended_ns:
+                lowest.pop()
+            lowest.append((lines, row.ended_ns))
+            if lowest[0][0] <= lines - LAG:
+                lowest.popleft()
+        if lines >= LAG:
+            progress[index] = lowest[0][1]
         if writer.down_s > DOWN_S:
             failure = f"the records store {writer.backend.where} has been unreachable for {DOWN_S:.0f} s"
     writer.close(timeout=3600)
     results.put((lines, writer.written, rejected, sum(dropped.values()), errors[:3], failure))
+
+
+def compact_all(open_store: Callable[[], Backend]) -> int:
+    """Every block and hour due, now: on PostgreSQL on WORKERS connections at once (each takes the units the
+    others are not at), on SQLite on one (the file has one writer at a time). How many."""
+    stores = [open_store()]
+    if is_postgres(stores[0].where):
+        stores += [open_store() for _ in range(WORKERS - 1)]
+    done = [0] * len(stores)
+
+    def run(index: int) -> None:
+        store = stores[index]
+        store.open()
+        try:
+            done[index] = store.compact()
+        finally:
+            store.close()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(1, len(stores))]
+    for thread in threads:
+        thread.start()
+    run(0)
+    for thread in threads:
+        thread.join()
+    return sum(done)
 
 
 def run_import(source: BinaryIO, open_store: Callable[[], Backend], warn: Callable[[str], None]) -> Imported:
@@ -167,11 +200,7 @@ def run_import(source: BinaryIO, open_store: Callable[[], Backend], warn: Callab
             warn(error)
     if compactor.error is not None:
         warn(f"compacting while importing: {compactor.error} (compacted at the end instead)")
-    store = open_store()
-    store.open()  # what is left: the last blocks and hours, and any an out-of-order line reached again
-    try:
-        result.compacted = compactor.done + store.compact()
-    finally:
-        store.close()
-    result.seconds = time.monotonic() - began
+    final = time.monotonic()
+    result.compacted = compactor.done + compact_all(open_store)  # what is left: the last blocks and hours (a file in random order: all)
+    result.seconds, result.final_s = time.monotonic() - began, time.monotonic() - final
     return result

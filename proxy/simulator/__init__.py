@@ -33,7 +33,9 @@ arguments), and so does `POST /v1/messages` (`anthropic.py`). For any API:
 `x-sim-content-encoding: gzip | deflate | br | zstd` (each write compressed and flushed, as CDNs
 send it; `x-sim-corrupt-encoding: 1` sends bytes that are not what the header says) and
 `x-sim-endless-event-bytes: N` (a hostile stream: one data line that never ends, N more bytes every
-`x-sim-endless-every-ms`, default 20).
+`x-sim-endless-every-ms`, default 20). With `--prefix-cache-tokens N` (or `/sim/config`), a prefix cache
+(cache.py) serves the prompts it has seen: prefill on the uncached rest only, cached tokens reported as each
+API reports them; `GET /sim/stats` counts prompt and cached tokens.
 """
 from __future__ import annotations
 
@@ -41,12 +43,14 @@ import asyncio
 import hashlib
 import random
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, fields
 from typing import Any
 
 import orjson
 
 from . import anthropic, gemini, ollama, openai, responses
+from .cache import PrefixCache
+from .schedule import Plan, SimConfig, SimStats
 from .compression import encoded
 from .. import apis
 from ..tokens import Tokenizer
@@ -68,56 +72,6 @@ async def _endless(send: Any, size: int, every: float) -> None:
         await send({"type": "http.response.body", "body": piece, "more_body": True})
 
 
-@dataclass
-class SimConfig:
-    prefill_tps: float = 5000.0
-    ttft_ms: float = -1.0  # >= 0: a fixed TTFT instead of prompt tokens / prefill_tps
-    decode_tps: float = 100.0
-    jitter: float = 0.0  # each inter-token gap scaled by uniform(1 - jitter, 1 + jitter)
-    chunk_tokens: int = 1  # tokens per content chunk
-    default_max_tokens: int = 100
-    role_chunk: bool = True
-    usage_null_chunks: bool = True  # with include_usage, every chunk carries "usage": null (OpenAI)
-    deterministic: bool = False  # fixed `created`, for byte comparisons
-    seed: int = 0
-    # Continuous batching (chat and completions streams): with either set, each next token takes
-    # alpha + beta x (streams decoding now) per token, decided as the one before it goes out, instead
-    # of 1 / decode_tps: time per token grows with the batch, as an engine's does.
-    batch_alpha_ms: float = 0.0
-    batch_beta_ms: float = 0.0
-    # One prefill at a time, first come first served (an engine's prefill unit is shared): a request's
-    # queue is the prefill work sent before it. Off: each request prefills on its own.
-    prefill_queue: bool = False
-    stall_after: int = -1  # >= 0: every stream goes silent after this many content chunks (a stuck replica: 0, after its headers)
-
-    @property
-    def batching(self) -> bool:
-        return self.batch_alpha_ms > 0 or self.batch_beta_ms > 0
-
-    def batch_gap_s(self, decoding: int) -> float:
-        """Seconds per token with `decoding` streams in the batch (this one included)."""
-        return (self.batch_alpha_ms + self.batch_beta_ms * decoding) / 1000
-
-
-class SimStats:
-    def __init__(self) -> None:
-        self.requests = 0
-        self.completed = 0
-        self.disconnects = 0
-        self.tokens_sent = 0
-        self.last_headers: dict[str, str] = {}
-        self.last_body: dict[str, Any] = {}
-        # For each content chunk of the last stream: monotonic instants just before and just after it
-        # was handed to the server (it went out in between).
-        self.last_send_times: list[tuple[float, float]] = []
-        self.last_received = 0.0  # when the last generation request reached the app (its schedule's zero)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"requests": self.requests, "completed": self.completed, "disconnects": self.disconnects, "tokens_sent": self.tokens_sent,
-                "last_headers": self.last_headers, "last_body": self.last_body, "last_send_times": self.last_send_times,
-                "last_received": self.last_received}
-
-
 def _json_response(status: int, obj: Any, extra: list[tuple[bytes, bytes]] | None = None) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
     body = orjson.dumps(obj)
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
@@ -134,6 +88,7 @@ class Simulator:
         self.decoding = 0  # streams between their first and last token now (the batching law's batch)
         self.prefill_free_at = 0.0  # with prefill_queue: when the prefill unit is free (monotonic s)
         self.rng = random.Random(self.config.seed)
+        self.cache = PrefixCache(self.config.prefix_cache_tokens)
         self._big: dict[tuple[Any, ...], bytes] = {}  # serialised parse-heavy bodies (x-sim-logprobs)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -161,6 +116,8 @@ class Simulator:
             for key, value in orjson.loads(body or b"{}").items():
                 if key in {f.name for f in fields(SimConfig)}:
                     setattr(self.config, key, type(getattr(self.config, key))(value))
+                    if key == "prefix_cache_tokens":
+                        self.cache.clear()  # (a test's cold start)
             return await self._reply(send, _json_response(200, asdict(self.config)))
         if path in ("/health", "/healthz"):
             return await self._reply(send, _json_response(200, {"status": "ok"}))
@@ -181,9 +138,10 @@ class Simulator:
         except (orjson.JSONDecodeError, AssertionError):
             return await self._reply(send, _json_response(400, {"error": {"message": "invalid JSON body", "type": "invalid_request_error", "code": "invalid_json", "param": None}}))
         self.stats.last_body = request
-        status = int(headers.get("x-sim-error-status", "0") or 0)
+        status = int(headers.get("x-sim-error-status", "0") or 0) or self.config.error_status
         if status:
-            extra = [(b"retry-after", headers["x-sim-retry-after"].encode())] if "x-sim-retry-after" in headers else []
+            retry_after = headers.get("x-sim-retry-after", self.config.retry_after)
+            extra = [(b"retry-after", retry_after.encode())] if retry_after else []
             error = {"error": {"message": f"simulated error {status}", "type": "simulated_error", "code": str(status), "param": None}}
             return await self._reply(send, _json_response(status, error, extra))
         send = encoded(send, headers)  # x-sim-content-encoding: the body compressed, read by read
@@ -217,10 +175,17 @@ class Simulator:
         data = [{"object": "embedding", "index": i, "embedding": [round(0.01 * (i + j), 4) for j in range(8)]} for i in range(len(items))]
         await self._reply(send, _json_response(200, {"object": "list", "data": data, "model": request.get("model", ""), "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}))
 
-    def _plan(self, prompt_tokens: int, request: dict[str, Any], headers: dict[str, str]) -> "Plan":
+    def _plan(self, prompt_tokens: int, request: dict[str, Any], headers: dict[str, str], texts: list[str] | None = None) -> "Plan":
         """When each chunk of each choice is ready, in seconds after arrival."""
         cfg = self.config
-        cached = min(prompt_tokens, int(headers.get("x-sim-cached-tokens", "0")))
+        caching = cfg.prefix_cache_tokens > 0 and texts is not None and "x-sim-cached-tokens" not in headers
+        if caching:
+            self.cache.capacity = cfg.prefix_cache_tokens
+            cached = self.cache.serve(texts or [], prompt_tokens)
+        else:
+            cached = min(prompt_tokens, int(headers.get("x-sim-cached-tokens", "0")))
+        self.stats.prompt_tokens += prompt_tokens
+        self.stats.cached_tokens += cached
         load = float(headers.get("x-sim-load-ms", "0")) / 1000  # a cold model load (Ollama reports it), before prefill
         queue = float(headers.get("x-sim-queue-ms", "0")) / 1000 + load
         if "x-sim-ttft-ms" in headers:
@@ -262,7 +227,7 @@ class Simulator:
         chunks.sort(key=lambda c: (c[0], c[1]))
         usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": choices * (n + hidden + visible_reasoning),
                                  "total_tokens": prompt_tokens + choices * (n + hidden + visible_reasoning)}
-        if cached or "x-sim-cached-tokens" in headers:
+        if cached or caching or "x-sim-cached-tokens" in headers:
             usage["prompt_tokens_details"] = {"cached_tokens": cached}
         if hidden:
             usage["completion_tokens_details"] = {"reasoning_tokens": choices * hidden}
@@ -277,7 +242,7 @@ class Simulator:
             return await self._reply(send, _json_response(400, error))
         api = {"messages": anthropic, "generate_content": gemini, "ollama_chat": ollama, "ollama_generate": ollama}.get(kind, openai)
         parts = api.prompt_parts(kind, request)
-        plan = self._plan(self.tokenizer.count_parts(parts), request, headers)
+        plan = self._plan(self.tokenizer.count_parts(parts), request, headers, parts.texts)
         digest = hashlib.sha1(orjson.dumps([model, request.get("messages"), request.get("prompt"), request.get("max_tokens")])).hexdigest()[:24]
         ident = {"chat": "chatcmpl-", "responses": "resp_", "messages": "msg_"}.get(kind, "cmpl-") + digest
         created = FIXED_CREATED if cfg.deterministic else int(time.time())
@@ -363,32 +328,3 @@ class Simulator:
                     gone.append(True)
                     task.cancel()
                 return
-
-@dataclass
-class Plan:
-    chunks: list[tuple[float, int, str, list[str]]]
-    usage: dict[str, Any]
-    queue: float  # seconds waiting before prefill
-    first: float  # prefill done (before hidden reasoning)
-    gap: float
-    choices: int
-    hidden: int = 0  # reasoning tokens generated before the first visible one, never streamed
-    thinking_tokens: int = 0  # all reasoning tokens, hidden and visible
-    load: float = 0.0  # seconds loading the model (part of queue), before prefill
-
-    @property
-    def cached(self) -> int:
-        """Prompt tokens served from the cache (x-sim-cached-tokens)."""
-        return int((self.usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
-
-    @property
-    def end(self) -> float:
-        return self.chunks[-1][0] if self.chunks else self.first
-
-    def vllm_metrics(self) -> dict[str, Any]:
-        """vLLM's --enable-per-request-metrics object, from this schedule."""
-        ttft = (self.chunks[0][0] if self.chunks else self.first) - self.queue
-        generation = self.end - (self.chunks[0][0] if self.chunks else self.first)
-        tokens = self.usage["completion_tokens"]
-        return {"time_to_first_token_ms": ttft * 1000, "generation_time_ms": generation * 1000, "queue_time_ms": self.queue * 1000,
-                "mean_itl_ms": self.gap * 1000, "tokens_per_second": tokens / max(1e-9, self.end - self.queue), "speculative_decoding": None}

@@ -25,7 +25,7 @@ import orjson
 from ..apis.anthropic import Anthropic
 
 if TYPE_CHECKING:
-    from . import Plan
+    from .schedule import Plan
 
 DIALECT = Anthropic()
 prompt_parts = DIALECT.prompt_parts

@@ -16,7 +16,7 @@ import orjson
 from ..apis.gemini import Gemini
 
 if TYPE_CHECKING:
-    from . import Plan
+    from .schedule import Plan
 
 prompt_parts = Gemini().prompt_parts
 

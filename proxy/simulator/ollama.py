@@ -17,7 +17,7 @@ import orjson
 from ..apis.ollama import Ollama
 
 if TYPE_CHECKING:
-    from . import Plan
+    from .schedule import Plan
 
 prompt_parts = Ollama().prompt_parts
 CREATED = "2026-01-01T00:00:00.000000000Z"

@@ -14,7 +14,8 @@ import orjson
 from ..apis.openai import prompt_parts as prompt_parts  # noqa: F401  (what the simulator counts, as the proxy does)
 
 if TYPE_CHECKING:
-    from . import Plan, Simulator
+    from . import Simulator
+    from .schedule import Plan
 
 
 def body(kind: str, plan: "Plan", ident: str, created: int, model: str, padding: str) -> dict[str, Any]:

@@ -1,0 +1,164 @@
+"""What each replica has cached of the prompts sent to it: a prefix index per replica (estimation mode,
+as the Gateway API Inference Extension's prefix-cache scorer), checked against what the engine reports.
+
+An engine with prefix caching (vLLM's automatic prefix caching, SGLang's radix cache, llama.cpp's
+slot cache) prefills only what it has not seen, and it sees a prompt in the order its template
+renders it: the system prompt and the tools first, then the messages in order. A coding agent resends
+its whole, growing conversation every turn, so each turn is the last one's prompt plus what the turn
+added. The proxy keeps, per replica, the prompts it sent there as a chain of hashes, one per message
+(`chain`: each the hash of the one before and the message's own text, so a hash stands for the whole
+prompt up to it, as an engine's block hashes are chained), with each link's size in tokens (its bytes
+/ 4, as the forecast estimates a prompt). A request's cached part on a replica is its longest chain of
+links the replica's index holds (`match`). The index is an LRU bounded in tokens (`Index`); it is
+updated when a request is sent there (`sent`), and corrected by what the response reports
+(`prompt_tokens_details.cached_tokens`, `cache_read_input_tokens`, llama.cpp's `cache_n`, Gemini's
+`cachedContentTokenCount`): a replica that reports fewer cached tokens than predicted has evicted what
+the index still holds, so the index holds that much less from then on, its oldest links forgotten
+(`reported`); its capacity grows back while its predictions hold.
+
+A message is a link whole: a turn never changes the messages before it, so a chain breaks exactly where
+a prompt differs (engines cache by blocks of 16 tokens: at most a block of difference per prompt). Keys
+an engine does not render (Anthropic's `cache_control`, which moves to the newest message every turn)
+are left out of a link's text.
+
+`session`: the hash of the chain up to the conversation's first non-system message, the same for every
+turn of one conversation and different across conversations: proxies that share nothing agree on a
+session's replica by rendezvous hashing on it (picker.py) when their predictions tie. What comes before
+it (`shared`: the system prompt and the tools) is every session's of one agent: once any replica holds
+it the placement takes every replica to (each serves some session), so that a proxy that happened to send
+it to one replica first does not pull every conversation there.
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+BYTES_PER_TOKEN = 4
+CAPACITY_TOKENS = 1_000_000  # what an index holds per replica at most (an engine with a large KV cache; the reports correct it)
+MIN_CAPACITY = 10_000
+TOLERANCE = 256  # tokens: an engine caches whole blocks, the estimate is bytes / 4
+HEAD_KEYS = ("system", "instructions", "systemInstruction", "system_instruction", "tools", "functions")  # rendered first
+SEQUENCE_KEYS = ("messages", "input", "contents", "prompt")  # then these, in order
+SYSTEM_ROLES = ("system", "developer")
+
+
+@dataclass(frozen=True, slots=True)
+class Chain:
+    """A prompt as links: each link's hash (of the prompt up to it) and its size in estimated tokens."""
+
+    hashes: tuple[int, ...]
+    tokens: tuple[int, ...]
+    session: int  # the conversation's key (0: none)
+    shared: int = 0  # tokens before the conversation's first non-system message: the agent's, every session's
+
+    @property
+    def total(self) -> int:
+        return sum(self.tokens)
+
+
+def _text(value: Any) -> bytes:
+    data = orjson.dumps(value)
+    if b"cache_control" in data and isinstance(value, dict):  # (not rendered by an engine: it moves every turn)
+        data = orjson.dumps(_without_cache_control(value))
+    return data
+
+
+def _without_cache_control(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_cache_control(v) for k, v in value.items() if k != "cache_control"}
+    if isinstance(value, list):
+        return [_without_cache_control(v) for v in value]
+    return value
+
+
+def chain(parsed: dict[str, Any] | None) -> Chain | None:
+    """The request's prompt as links (None: nothing to chain)."""
+    if not parsed:
+        return None
+    head = [parsed[key] for key in HEAD_KEYS if parsed.get(key)]
+    sequence: Any = next((parsed[key] for key in SEQUENCE_KEYS if parsed.get(key)), None)
+    items = sequence if isinstance(sequence, list) else [sequence] if sequence is not None else []
+    if not items:
+        return None
+    hashes: list[int] = []
+    tokens: list[int] = []
+    session = shared = 0
+    digest = hashlib.blake2b(digest_size=8)
+    if head:
+        data = _text(head)
+        digest.update(data)
+        hashes.append(int.from_bytes(digest.copy().digest(), "big"))
+        tokens.append(len(data) // BYTES_PER_TOKEN)
+    for item in items:
+        data = _text(item)
+        digest.update(b"\x1e")
+        digest.update(data)
+        hashes.append(int.from_bytes(digest.copy().digest(), "big"))
+        tokens.append(len(data) // BYTES_PER_TOKEN)
+        if not session and not (isinstance(item, dict) and item.get("role") in SYSTEM_ROLES):
+            session = hashes[-1]
+            shared = sum(tokens[:-1])
+    return Chain(tuple(hashes), tuple(tokens), session, shared)
+
+
+class Index:
+    """One replica's links, least recently sent first, bounded in tokens. On the event loop only."""
+
+    __slots__ = ("capacity", "ceiling", "floor", "links", "held")
+
+    def __init__(self, capacity: int = CAPACITY_TOKENS, floor: int = MIN_CAPACITY) -> None:
+        self.capacity = self.ceiling = capacity
+        self.floor = floor  # (what a report shrinks it to at least)
+        self.links: collections.OrderedDict[int, int] = collections.OrderedDict()  # hash -> its tokens
+        self.held = 0
+
+    def match(self, prompt: Chain) -> int:
+        """Tokens of the longest prefix of the prompt this replica holds."""
+        matched, links = 0, self.links
+        for link, size in zip(prompt.hashes, prompt.tokens):
+            if link not in links:
+                break
+            matched += size
+        return matched
+
+    def sent(self, prompt: Chain) -> None:
+        """The prompt went to this replica: it holds all of it now. Past capacity the least recently sent goes, a
+        prompt's end before its beginning (its links renewed from the last to the first): as an engine evicts, so
+        that what is forgotten shortens a chain and never cuts its head off."""
+        links = self.links
+        for link, size in zip(reversed(prompt.hashes), reversed(prompt.tokens)):
+            if link in links:
+                links.move_to_end(link)
+            else:
+                links[link] = size
+                self.held += size
+        self._trim()
+
+    def reported(self, predicted: int, cached: int) -> None:
+        """The engine reported `cached` tokens of a prompt this index predicted `predicted` of (both estimated). Fewer:
+        it evicted links this index still holds, the least recently sent ones if it is an LRU as this is, so this
+        index holds about that much less from now on (its oldest links forgotten). As predicted: it may hold a
+        little more again (an eviction storm passes)."""
+        if cached + TOLERANCE < predicted:
+            self.capacity = max(self.floor, self.held - (predicted - cached))
+            self._trim()
+        elif self.capacity < self.ceiling:
+            self.capacity = min(self.ceiling, int(self.capacity * 1.02) + TOLERANCE)
+
+    def _trim(self) -> None:
+        links = self.links
+        while self.held > self.capacity and links:
+            self.held -= links.popitem(last=False)[1]
+
+
+@dataclass(slots=True)
+class Use:
+    """A request's prompt on the replica it was sent to: what the index predicted cached, for the check at its end."""
+
+    index: Index
+    prompt: Chain
+    predicted: int  # estimated tokens predicted cached there

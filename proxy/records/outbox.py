@@ -1,0 +1,199 @@
+"""The serving process's side of its records writer, which runs in a process of its own.
+
+Why a process: what a record costs beyond its JSON (its typed columns, its compression, the store's
+driver encoding the batch, SQLite's own inserting and indexing in-process) held the serving process's
+GIL and CPU: 65 µs a record, 13% fewer short requests a second (bench/records_cost.py). Here the
+serving process only names the record, serialises it once (orjson) and queues it; a sender thread
+hands what is queued to the writer process every `SEND_S` over a pipe (one message a batch), where a
+`Writer` (records/__init__.py: its bounded buffer, batches, retries, maintenance, boots) does the rest,
+and reports back what the metrics count (written, dropped by reason, errors, records lost by crashes,
+what it buffers). Reads (`recent`, the summaries) go to the store directly, from this process.
+
+A kill -9 of the serving process ends the pipe: the writer process writes what it holds (within
+`ORPHAN_S`) and leaves its boot running, so that the next maintenance pass anywhere counts what the
+crash lost (boots.py): only the records of its last `SEND_S` were never handed over. The writer process
+dying is noticed by the sender: a new one is started, and what the dead one held is counted by its boot.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import multiprocessing
+import os
+import threading
+import time
+from typing import Any, Callable
+
+from . import Filters, Row, Writer, open_backend, serialise
+from .columns import ended_ns
+
+log = logging.getLogger("llmproxy.records")
+
+SEND_S = 0.01  # what waits in the serving process before it is handed to the writer process
+FLUSH_S = 2.0  # a flush waits this long at most
+ORPHAN_S = 5.0  # what the writer process may take to write what it holds once the serving process is gone
+
+
+def _serve(conn: Any, target: str, options: dict[str, Any], instance: str, boot: str, limits: tuple[int, int]) -> None:
+    """The writer process: rows from the pipe into a Writer; what it counts back up the pipe."""
+    try:
+        os.nice(5)  # (below the serving process: its relay first)
+    except OSError:
+        pass
+    lock = threading.Lock()
+
+    def report(*message: Any) -> None:
+        with lock:
+            try:
+                conn.send(message)
+            except (OSError, ValueError):
+                pass  # (the serving process is gone: what it would have counted, its boot counts)
+
+    writer = Writer(open_backend(target, **options), instance, limits[0], limits[1], lambda: report("error"),
+                    lambda reason, n: report("drop", reason, n), lambda stored, waiting: report("batch", stored, waiting),
+                    on_lost=lambda n: report("lost", n), boot=boot)
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):  # the serving process died (kill -9): write what there is, leave the boot running
+            writer.close(ORPHAN_S, clean=False)
+            return
+        kind = message[0]
+        if kind == "rows":
+            for rid, ended, data, seq in message[1]:
+                writer.put(Row(rid, ended, data, seq))
+        elif kind == "flush":
+            writer.flush(message[2])
+            report("flushed", message[1])
+        elif kind == "close":
+            writer.close(message[1])
+            report("closed")
+            return
+
+
+class Outbox:
+    """What the app holds as its records store: `add` on the request side (the finisher), `flush`,
+    `recent` and `backend` for the readers, `close` at shutdown."""
+
+    def __init__(self, target: str, options: dict[str, Any], instance: str, max_records: int, max_bytes: int, on_error: Callable[[], None],
+                 on_drop: Callable[[str, int], None], on_batch: Callable[[int, int], None] | None = None,
+                 on_lost: Callable[[int], None] | None = None) -> None:
+        self.backend = open_backend(target, **options)  # (reads only, from this process)
+        self.where = self.backend.where
+        self.target, self.options, self.instance, self.limits = target, options, instance, (max_records, max_bytes)
+        self.on_error, self.on_drop, self.on_batch, self.on_lost = on_error, on_drop, on_batch, on_lost
+        self.boot = f"{os.getpid()}/{time.time_ns()}"
+        self._seq = itertools.count(1)
+        self._queue: collections.deque[tuple[str, int, bytes, int]] = collections.deque()
+        self._cond = threading.Condition()
+        self._waiting: dict[int, threading.Event] = {}  # flushes not answered yet
+        self._to_send: collections.deque[int] = collections.deque()  # flushes to send after the rows before them
+        self._tokens = itertools.count(1)
+        self._stopping = False
+        self._close_s = 5.0
+        self._closed = threading.Event()
+        self.buffered = 0
+        self._start()
+        self._sender = threading.Thread(target=self._send, name="llmproxy-records-send", daemon=True)
+        self._sender.start()
+
+    def _start(self) -> None:
+        context = multiprocessing.get_context("forkserver")  # (forked from a server of its own: no thread of this process copied)
+        context.set_forkserver_preload(["proxy.records.outbox"])
+        self._conn, child = context.Pipe(duplex=True)
+        self._process = context.Process(target=_serve, args=(child, self.target, self.options, self.instance, self.boot, self.limits),
+                                        name="llmproxy-records", daemon=True)  # (not joined at exit; a kill -9 of this one leaves it to finish)
+        self._process.start()
+        child.close()
+        self._receiver = threading.Thread(target=self._receive, args=(self._conn,), name="llmproxy-records-receive", daemon=True)
+        self._receiver.start()
+
+    def add(self, record: dict[str, Any]) -> None:
+        """The only call on the request side: name the record (its stable `id`), serialise it, queue it."""
+        seq = next(self._seq)
+        record["id"] = rid = f"{self.instance}/{self.boot}/{seq}"
+        try:
+            self._queue.append((rid, ended_ns(record), serialise(record), seq))
+        except (TypeError, ValueError, KeyError):
+            self.on_error()
+            self.on_drop("rejected", 1)
+
+    def _send(self) -> None:
+        """Every SEND_S, what is queued, in one message; a flush or the close at once. A dead writer process is replaced."""
+        while True:
+            with self._cond:
+                self._cond.wait(SEND_S)
+                stopping = self._stopping
+            rows = []
+            while self._queue:
+                rows.append(self._queue.popleft())
+            flushes = []
+            while self._to_send:
+                flushes.append(self._to_send.popleft())
+            try:
+                if rows:
+                    self._conn.send(("rows", rows))
+                for token in flushes:
+                    self._conn.send(("flush", token, FLUSH_S))
+                if stopping:
+                    self._conn.send(("close", self._close_s))
+                    return
+            except (OSError, ValueError):
+                if stopping:
+                    return
+                self.on_error()
+                log.error("the records writer process died: another is started (what it held is counted by its boot's figures)")
+                self._start()
+                if rows:
+                    self._conn.send(("rows", rows))
+
+    def _receive(self, conn: Any) -> None:
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                return
+            kind = message[0]
+            if kind == "batch":
+                self.buffered = message[2]
+                if self.on_batch is not None:
+                    self.on_batch(message[1], message[2])
+            elif kind == "drop":
+                self.on_drop(message[1], message[2])
+            elif kind == "error":
+                self.on_error()
+            elif kind == "lost" and self.on_lost is not None:
+                self.on_lost(message[1])
+            elif kind == "flushed":
+                event = self._waiting.pop(message[1], None)
+                if event is not None:
+                    event.set()
+            elif kind == "closed":
+                self._closed.set()
+                return
+
+    def flush(self, timeout: float = FLUSH_S) -> None:
+        """Until every record added so far is written (or dropped, or the store is unreachable), for at most `timeout`."""
+        token, event = next(self._tokens), threading.Event()
+        self._waiting[token] = event
+        self._to_send.append(token)
+        with self._cond:
+            self._cond.notify_all()
+        event.wait(timeout)
+        self._waiting.pop(token, None)
+
+    def recent(self, limit: int, filters: Filters) -> list[bytes]:
+        return self.backend.recent(limit, filters)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """What is queued and buffered written within `timeout` (the rest dropped and counted), the writer process stopped."""
+        self._close_s = timeout
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._sender.join(timeout + 1.0)
+        self._closed.wait(timeout + 2.0)
+        self._process.join(5.0)
+        if self._process.is_alive():
+            self._process.kill()

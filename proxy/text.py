@@ -1,0 +1,16 @@
+"""Strings from outside (a client's model name or end user, an upstream's response model, an imported
+record's fields) as every sink may keep them: records (PostgreSQL text refuses NUL; a lone UTF-16
+surrogate, valid in JSON as `\\ud800`, is no UTF-8 at all), spans, metric labels, logs.
+"""
+from __future__ import annotations
+
+import re
+
+MODEL_CHARS = 256  # a model name as measured (the request is sent on unchanged: the rest is the client's business)
+_UNSTORABLE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")  # controls (NUL among them) and lone surrogates
+
+
+def storable(value: str, limit: int = MODEL_CHARS) -> str:
+    """At most `limit` characters, controls and lone surrogates replaced by U+FFFD."""
+    value = value[:limit]
+    return _UNSTORABLE.sub("\ufffd", value) if _UNSTORABLE.search(value) else value

@@ -1,0 +1,107 @@
+"""A replica's health (proxy/health.py): set aside while it fails, back after one probe; on an injected clock."""
+import email.utils
+
+import pytest
+
+from proxy.health import EJECTED, PROBING, SERVING, EjectionSpec, Health, retry_after_s
+
+
+def test_consecutive_failures_eject_for_the_base_time_then_one_probe_decides():
+    told = []
+    h = Health(EjectionSpec(consecutive=5, base_s=30, max_s=300), lambda reason, seconds: told.append((reason, seconds)))
+    now = 100.0
+    for i in range(4):
+        h.sent(now)
+        assert h.failed(now) == "" and h.available(now)
+    h.sent(now)
+    assert h.failed(now) == "consecutive_failures" and h.state == EJECTED and told == [("consecutive_failures", 30.0)]
+    assert not h.available(now + 29.9) and not h.due(now + 29.9)
+    assert h.due(now + 30) and h.available(now + 30)
+    assert h.sent(now + 30) is True and h.state == PROBING  # the next request is the probe
+    assert not h.available(now + 30.1)  # nothing else goes to it while the probe is out
+    h.failed(now + 31, probe=True)  # the probe failed too: set aside again, twice as long
+    assert h.state == EJECTED and h.reason == "probe_failed" and told[-1] == ("probe_failed", 60.0)
+    assert not h.available(now + 31 + 59.9) and h.sent(now + 91) is True
+    h.succeeded(now + 91.5, probe=True)
+    assert h.state == SERVING and h.available(now + 91.5) and h.consecutive == 0
+
+
+def test_ejection_time_grows_on_repeats_up_to_the_cap_and_shrinks_after_serving_well():
+    h = Health(EjectionSpec(consecutive=1, base_s=30, max_s=70))
+    now = 0.0
+    for expected in (30, 60, 70, 70):  # base x times in a row, at most max_time
+        h.sent(now)
+        h.failed(now, probe=h.state == PROBING)
+        assert h.until - now == expected
+        now = h.until
+        assert h.sent(now)  # the probe
+    h.succeeded(now, probe=True)
+    now += 3 * 30  # three base times served well: the multiplier falls by three (4 -> 1), then this ejection adds one
+    h.sent(now)
+    h.failed(now)
+    assert h.until - now == 60
+
+
+def test_a_failure_share_ejects_a_replica_that_fails_often_but_never_five_times_in_a_row():
+    h = Health(EjectionSpec(consecutive=5, share=0.5, min_requests=10, window_s=10))
+    now = 50.0
+    for i in range(20):
+        h.sent(now)
+        if i % 3 == 2:
+            h.succeeded(now)
+        elif h.failed(now):
+            break
+        now += 0.1
+    assert h.state == EJECTED and h.reason == "failure_share" and i >= 9
+    quiet = Health(EjectionSpec(share=0.5, min_requests=10))
+    for _ in range(4):
+        quiet.sent(0.0)
+        quiet.failed(0.0)
+        quiet.sent(0.0)
+        quiet.succeeded(0.0)
+    assert quiet.state == SERVING  # (8 attempts: under min_requests)
+    assert quiet.share(0.0) == pytest.approx(4 / 9)  # (one success assumed)
+    assert quiet.share(20.0) == 0.0  # the window has moved past them
+
+
+def test_retry_after_sets_it_aside_for_that_long_capped_and_never_shortens_an_ejection():
+    h = Health(EjectionSpec(retry_after_max_s=60))
+    h.sent(0.0)
+    assert h.failed(0.0, retry_after=5) == "retry_after" and h.until == 5 and h.multiplier == 0
+    h.failed(1.0, retry_after=2)  # a request sent before asks for less: the quiet stays 5 s
+    assert h.until == 5
+    h.failed(1.0, retry_after=3600)
+    assert h.until == 61  # capped
+    off = Health(EjectionSpec(enabled=False))
+    for _ in range(20):
+        off.sent(0.0)
+        assert off.failed(0.0, retry_after=5) == "" and off.state == SERVING
+
+
+def test_an_attempt_that_says_nothing_passes_the_probe_on():
+    h = Health(EjectionSpec(consecutive=1, base_s=10))
+    h.sent(0.0)
+    h.failed(0.0)
+    assert h.sent(10.0) and not h.available(10.0)
+    h.ended(probe=True)  # the client left before the probe's verdict
+    assert h.state == EJECTED and h.due(10.0) and h.sent(10.0)
+    h.failed(10.5, retry_after=30)  # a request sent before the probe asks for quiet: the probe's success does not cut it short
+    h.succeeded(11.0, probe=True)
+    assert h.state == EJECTED and h.until == 40.5
+
+
+def test_retry_after_is_read_in_seconds_milliseconds_or_as_a_date():
+    assert retry_after_s([(b"Retry-After", b"5")]) == 5.0
+    assert retry_after_s([(b"retry-after-ms", b"1500"), (b"retry-after", b"9")]) == 1.5
+    date = email.utils.formatdate(1_000_030.0, usegmt=True)
+    assert retry_after_s([(b"retry-after", date.encode())], now_wall=1_000_000.0) == 30.0
+    assert retry_after_s([(b"retry-after", b"soon")]) is None and retry_after_s([]) is None
+
+
+@pytest.mark.parametrize("spec, words", [({"consecutive_failures": 0}, "whole number"), ({"failure_share": 1.5}, "share"),
+                                         ({"base_time": "30s"}, "seconds"), ({"cooldown": 5}, "ejection must be"), ("sometimes", "ejection must be")])
+def test_a_broken_ejection_policy_is_refused_with_its_line(spec, words):
+    with pytest.raises(ValueError) as error:
+        EjectionSpec.parse(spec, "routes file r.yaml, line 3")
+    assert "line 3" in str(error.value) and words in str(error.value)
+    assert EjectionSpec.parse("off", "x").enabled is False and EjectionSpec.parse({"base_time": 5}, "x").base_s == 5.0

@@ -56,6 +56,7 @@ PANEL_POOL = "The proxy's own upstream pool"
 ROW_SLO = "Service-level objectives"
 PANEL_SLO_MISSES = "SLO misses by blamed phase"
 PANEL_TENANT_BUDGET = "Budget spent by tenant"
+PANEL_ADMISSION = "Admission by tenant: in flight and waiting"
 PANEL_REPLICAS = "Replicas set aside"
 MODEL = "{{ $labels.model }}"
 UPSTREAM = "{{ $labels.upstream }}"
@@ -280,25 +281,44 @@ def build() -> dict:
                      .with_target(q(f"sum by (tenant) (increase(llmproxy_requests_total{{{SEL_T}}}[$__range]))", "requests", "A", instant=True))
                      .with_target(q(f"histogram_quantile(0.95, sum by (tenant, le) (rate(llmproxy_time_to_first_token_seconds_bucket{{{SEL_T}}}[$__range])))",
                                     "ttft p95", "B", instant=True)))
+    # Admission by tenant (admission.py): each tenant's use of --max-in-flight, what it waited for a slot, what was refused.
+    TEN = 'tenant=~"$tenant"'
+    d = d.with_panel(ts(PANEL_ADMISSION, "short", [
+        q(f"sum by (tenant) (llmproxy_admission_in_flight{{{TEN}}})", "{{tenant}} in flight", "A"),
+        q(f"sum by (tenant) (llmproxy_admission_queued{{{TEN}}})", "{{tenant}} waiting", "B"),
+        q(f"sum(llmproxy_max_in_flight{{{UP}}})", "--max-in-flight", "C")], 0, 112, w=8,
+        description="Requests admitted and in flight, and waiting for a slot (--admission-queue-s), per tenant, against the cap "
+                    "(over every instance). At the cap each tenant in flight or waiting has a share, its weight over theirs: one "
+                    "under its share is still admitted, one over it waits or is refused. Below the cap anyone may use it all."))
+    d = d.with_panel(ts("Refused by the proxy, by tenant", "reqps", [
+        q(f"sum by (tenant, reason) (rate(llmproxy_requests_rejected_total{{{UP}, {TEN}}}[{RI}]))", "{{tenant}}: {{reason}}", "A")],
+        8, 112, w=8,
+        description="503 proxy_overloaded, by tenant and reason: max_in_flight (at the cap, the tenant at or over its share), "
+                    "queue_timeout (it waited --admission-queue-s), pool, descriptors, ports, memory. A tenant within its share "
+                    "should have none of the first two."))
+    d = d.with_panel(ts("Waiting for a slot, by tenant", "short", [
+        q(f"sum by (tenant) (rate(llmproxy_admission_wait_seconds_sum{{{TEN}}}[{RI}]))", "{{tenant}}", "A")], 16, 112, w=8,
+        description="Seconds waited for a slot per second (the mean number of that tenant's requests waiting): the phase wait "
+                    "that admission added. `llm-latency-proxy explain --by tenant` gives each tenant's refusals and mean wait."))
 
     # Each replica's health (routes file `ejection:`) and what failing over cost: never charged to the replica that served.
     d = d.with_row(Row("Replicas"))
     d = d.with_panel(ts(PANEL_REPLICAS, "short", [
         q(f'sum by (upstream, state) (llmproxy_upstream_state{{{UP}, state!="serving"}})', "{{upstream}} {{state}}", "A"),
         q(f"sum by (upstream, reason) (increase(llmproxy_upstream_ejections_total{{{UP}}}[{RI}]))", "{{upstream}} ejected: {{reason}}", "B")],
-        0, 113, w=8,
+        0, 121, w=8,
         description="A: per replica, how many proxy instances have it set aside now (ejected: for failing, its next request after "
                     "its time is up is a probe; probing: that probe in flight). B: ejections by reason: consecutive_failures, "
                     "failure_share, retry_after (it answered 429 or 503 with Retry-After), probe_failed (set aside again, for longer)."))
     d = d.with_panel(ts("Failovers, by the replica abandoned", "reqps", [
         q(f"sum by (upstream, reason) (rate(llmproxy_failovers_total{{{UP}}}[{RI}]))", "{{upstream}}: {{reason}} /s", "A"),
         q(f'sum by (upstream) (rate(llmproxy_phase_seconds_total{{{UP}, phase="failover"}}[{RI}]))', "{{upstream}}: seconds lost /s", "B")],
-        8, 113, w=8,
+        8, 121, w=8,
         description="Attempts abandoned for another replica (connect_error, broken, status_5xx, status_429, deadline) and the time "
                     "they cost their requests (the phase failover), charged to the replica abandoned; the replica that then served "
                     "is charged its own TTFT only."))
     d = d.with_panel(ts("Predicted TTFT of a 1,000-token prompt", "s", [
-        q(f"max by (upstream) (llmproxy_upstream_predicted_ttft_seconds{{{UP}}})", "{{upstream}}", "A")], 16, 113, w=8,
+        q(f"max by (upstream) (llmproxy_upstream_predicted_ttft_seconds{{{UP}}})", "{{upstream}}", "A")], 16, 121, w=8,
         description="Each replica's server time to first token predicted from its own recent answers and its pending prompt work "
                     "(pick: predicted_ttft places by it; the worst proxy instance's view)."))
 
@@ -306,14 +326,14 @@ def build() -> dict:
     d = d.with_row(Row("Prefix cache"))
     d = d.with_panel(ts("Prompt tokens served from the prefix cache", "percentunit", [
         q(f'sum by (upstream) (rate(llmproxy_tokens_total{{{UP}, kind="cached_prompt"}}[{RI}])) / '
-          f'sum by (upstream) (rate(llmproxy_tokens_total{{{UP}, kind="prompt"}}[{RI}]))', "{{upstream}}", "A")], 0, 122, w=12,
+          f'sum by (upstream) (rate(llmproxy_tokens_total{{{UP}, kind="prompt"}}[{RI}]))', "{{upstream}}", "A")], 0, 130, w=12,
         description="Per replica: the share of prompt tokens its engine reported cached (prompt_tokens_details.cached_tokens, "
                     "cache_read_input_tokens, llama.cpp's cache_n): prefill it did not do. With pick: predicted_ttft, each "
                     "conversation goes where its prefix is; a share falling while the traffic is the same: sessions moved, or the "
                     "cache evicts."))
     d = d.with_panel(ts("Prefix index: predicted over reported cached tokens", "short", [
         q(f"sum by (upstream) (rate(llmproxy_prefix_predicted_tokens_total{{{UP}}}[{RI}])) / "
-          f"sum by (upstream) (rate(llmproxy_prefix_reported_tokens_total{{{UP}}}[{RI}]))", "{{upstream}}", "A")], 12, 122, w=12,
+          f"sum by (upstream) (rate(llmproxy_prefix_reported_tokens_total{{{UP}}}[{RI}]))", "{{upstream}}", "A")], 12, 130, w=12,
         description="How right each proxy's index of a replica's prefix cache is (pick: predicted_ttft), on the requests whose "
                     "engine reported its cached tokens: 1 is exact; above 1 the engine evicted what the index still holds (the "
                     "index shrinks to follow); below 1 the replica had more than this proxy sent it (other proxies' requests)."))

@@ -26,7 +26,7 @@ from . import apis, forecast, records
 from .records.aggregate import summary as summarise
 from .records.outbox import Outbox
 from .acceptor import ProxyLoop
-from .admission import Admission, raise_open_files_limit
+from .admission import Admission, raise_open_files_limit, worker_cap
 from .config import Settings
 from .errors import error_body
 from .meters import Meters, build_meters
@@ -81,8 +81,10 @@ class ProxyApp:
         # In each worker, before its listener and its upstream pools exist (their size comes from it).
         self.open_files = raise_open_files_limit(settings)[1]
         self.router = Router(settings, self.telemetry.ejected)  # --routes, or the one --upstream for every model
-        self.admission = Admission(settings.max_in_flight)
-        self.metrics.child("llmproxy_max_in_flight", settings.upstream_label).set(settings.max_in_flight)
+        # --max-in-flight is the proxy's: each worker enforces its part, shared by tenant (admission.py).
+        self.admission = Admission(worker_cap(settings), settings.admission_queue_s, lambda label: self.tenants.weight(label))
+        self.metrics.child("llmproxy_max_in_flight", settings.upstream_label).set(self.admission.cap)
+        self.metrics.tenants_known(settings.upstream_label, self.tenants.labels(), self.admission.cap > 0)
         self.client_keys = settings.client_keys()
         self.admin = self._admin_app()  # the proxy's own endpoints, on this port or --admin-port
 
@@ -124,6 +126,7 @@ class ProxyApp:
             log.error("objectives not reloaded, the old ones keep serving: %s", exc)
         try:
             self.tenants.reload()
+            self.metrics.tenants_known(self.settings.upstream_label, self.tenants.labels(), self.admission.cap > 0)
         except ValueError as exc:
             log.error("tenants not reloaded, the old ones keep serving: %s", exc)
 
@@ -223,6 +226,8 @@ class ProxyApp:
         self.metrics.pools({u.label: (u.in_use, u.idle, u.limit) for u in upstreams})
         self.metrics.predictions(forecast.predictions((u.label, u.forecast) for u in upstreams))
         self.metrics.health({u.label: u.health.state for u in upstreams})
+        if self.admission.cap:
+            self.metrics.admission(dict(self.admission.held), self.admission.queued())
         try:
             self.metrics.child("llmproxy_open_fds").set(_open_fds())
         except OSError:  # no /proc (not Linux), or out of descriptors for the listing itself

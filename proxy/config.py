@@ -53,7 +53,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("pool_timeout", float, 0.0, "seconds a request may wait for a free upstream connection when the pool is full (0: none, an immediate 503 `proxy_overloaded`, reason pool); the wait is the phase `wait`, the proxy's own"),
     Option("max_connections", int, 0, "upstream connection pool size, per upstream and worker process (0: --max-in-flight if set, else as many streams as the open files limit holds, a client and an upstream socket each)"),
     Option("keepalive_expiry", float, 4.0, "seconds an idle upstream connection is kept for reuse, then closed by a sweep; below the 5 s after which uvicorn (vLLM, SGLang), llama.cpp and Node close idle connections, so the proxy never sends on one the server is closing"),
-    Option("max_in_flight", int, 0, "admission control, per worker process: requests beyond this many in flight get an immediate 503 `proxy_overloaded` with Retry-After (0: off; size it from the saturation point in bench/RESULTS.md)"),
+    Option("max_in_flight", int, 0, "admission control: requests in flight in this proxy at most (split evenly over --workers), shared fairly by tenant (--tenants, weights): at the cap a tenant over its share gets a 503 `proxy_overloaded` with Retry-After, one under it is still admitted (0: off; size it from the saturation point in bench/RESULTS.md)"),
+    Option("admission_queue_s", float, 0.0, "with --max-in-flight: seconds a request over its tenant's share may wait for a slot instead of an immediate 503 (0: no wait); slots go to the waiting tenant with the fewest in flight for its weight; the wait is the phase `wait`"),
     Option("max_body_bytes", int, 32 * 1024 * 1024, "largest request body accepted (larger: 413)"),
     Option("stream_buffer_bytes", int, 8 * 1024 * 1024, "bytes of one response the relay reads ahead of a slow client, so each upstream read keeps its own stamp; past it reading pauses (back-pressure) and the request is marked unmeasured (client_backpressure), out of the decode figures"),
     Option("stream_buffer_total_bytes", int, 128 * 1024 * 1024, "bytes read ahead of slow clients across every stream of a worker process at most (exceeded by one socket read per stream at most)"),
@@ -126,6 +127,7 @@ class Settings:
     max_connections: int = 0
     keepalive_expiry: float = 4.0
     max_in_flight: int = 0
+    admission_queue_s: float = 0.0
     max_body_bytes: int = 32 * 1024 * 1024
     body_timeout: float = 30.0
     header_timeout: float = 10.0
@@ -165,8 +167,8 @@ class Settings:
     def __post_init__(self) -> None:
         if self.admin_port and self.workers > 1:
             raise ValueError("--admin-port needs --workers 1 (protect /metrics with --admin-key instead)")
-        if self.keepalive_expiry < 0 or self.max_in_flight < 0 or self.max_connections < 0 or self.pool_timeout < 0:
-            raise ValueError("--keepalive-expiry, --max-in-flight, --max-connections and --pool-timeout must not be negative")
+        if min(self.keepalive_expiry, self.max_in_flight, self.max_connections, self.pool_timeout, self.admission_queue_s) < 0:
+            raise ValueError("--keepalive-expiry, --max-in-flight, --max-connections, --pool-timeout and --admission-queue-s must not be negative")
         if self.token_spans not in TOKEN_SPAN_MODES:
             raise ValueError(f"--token-spans must be one of {TOKEN_SPAN_MODES}, not {self.token_spans!r}")
         parts = urlsplit(self.upstream)

@@ -89,7 +89,8 @@ class ModelNotRouted(ProxyError):
 
 
 class ProxyOverloaded(ProxyError):
-    """The proxy has no room for this request: `reason` is max_in_flight (admission control), pool
+    """The proxy has no room for this request: `reason` is max_in_flight (admission control: its
+    tenant at or over its share at the cap), queue_timeout (it waited --admission-queue-s), pool
     (every connection of the upstream's pool in use, --max-connections), descriptors, ports or
     memory (exhausted while accepting or connecting)."""
 
@@ -102,7 +103,7 @@ class ProxyOverloaded(ProxyError):
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         out = [(b"retry-after", str(self.retry_after_s).encode())]
-        if self.reason not in ("max_in_flight", "pool"):  # out of descriptors, ports or memory: free this client's too
+        if self.reason not in ("max_in_flight", "queue_timeout", "pool"):  # out of descriptors, ports or memory: free this client's too
             out.append((b"connection", b"close"))
         return out
 

@@ -57,6 +57,9 @@ def report(groups: dict[str, Aggregate], objectives: tuple[Objective, ...] = ())
     for tenant, agg in groups.items():
         entry: dict[str, Any] = {"requests": agg.requests, "ok": agg.ok, "streams": agg.streams, "outcomes": dict(agg.outcomes.most_common())}
         entry["mean"] = mean(agg)
+        refused = agg.outcomes.get("overloaded", 0)  # (admission.py: over its share at --max-in-flight, or a wait that ran out)
+        entry["admission"] = {"refused": refused, "refused_share": refused / agg.requests if agg.requests else None,
+                              "wait_s_mean": agg.sums["wait_sum"] / agg.known if agg.known else None}
         entry["percentiles"] = {f"{name}_s": {f"p{round(q * 100)}": agg.summary_quantile(name, q) for q in (0.5, 0.99)}
                                 for name in C.SUMMARY_BOUNDS}
         slos: dict[str, Any] = {}
@@ -123,6 +126,10 @@ def render(tenants: dict[str, Any]) -> str:
             uncached = f" ({m['uncached_prompt_tokens']:,.0f} uncached)" if m["uncached_prompt_tokens"] is not None else ""
             output = f"{m['output_tokens']:,.0f}" if m["output_tokens"] is not None else "n/a"
             out.append(f"L_in {m['prompt_tokens']:,.0f} prompt tokens{uncached}, L_out {output} output tokens; TTFT mean {s(m['ttft_s'])}")
+        a = e["admission"]
+        if a["refused"] or a["wait_s_mean"]:
+            out.append(f"admission: {a['refused']} refused by the proxy ({a['refused_share']:.1%}: 503 proxy_overloaded), "
+                       f"mean wait for a slot or a connection {s(a['wait_s_mean'])} per ok request")
         p = e["percentiles"]
         out.append(f"TTFT p50 {s(p['ttft_s']['p50'])}, p99 {s(p['ttft_s']['p99'])}; end to end p50 {s(p['e2e_s']['p50'])}, "
                    f"p99 {s(p['e2e_s']['p99'])}")

@@ -10,12 +10,12 @@ import os
 import time
 from bisect import bisect_left
 from dataclasses import dataclass
-from typing import Any, Callable, Container
+from typing import Any, Callable, Container, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary, disable_created_metrics
 from prometheus_client.exposition import choose_encoder, generate_latest
 
-from .buckets import DURATION_BUCKETS, GAP_BUCKETS, OVERHEAD_BUCKETS, PREFILL_TPS_BUCKETS, RTT_BUCKETS, TPS_BUCKETS, TTFT_BUCKETS
+from .buckets import DURATION_BUCKETS, GAP_BUCKETS, OVERHEAD_BUCKETS, PREFILL_TPS_BUCKETS, RTT_BUCKETS, TPS_BUCKETS, TTFT_BUCKETS, WAIT_BUCKETS
 from .records import DROP_REASONS
 from .slo import BEFORE_FIRST_TOKEN, FAILED, Verdict
 from .health import EJECT_REASONS, STATES
@@ -29,7 +29,7 @@ TENANTED = BASE + ("tenant",)
 # Telemetry components, initialised to 0 so dashboards and alerts see the series before any error.
 COMPONENTS = ("metrics", "tracing", "tokenizer", "records", "timing", "slo", "otlp_export", "otlp_metrics")
 # Why the proxy itself answered 503 proxy_overloaded (errors.EXHAUSTED holds the exhaustion ones).
-REJECT_REASONS = ("max_in_flight", "pool", "descriptors", "ports", "memory")
+REJECT_REASONS = ("max_in_flight", "queue_timeout", "pool", "descriptors", "ports", "memory")
 # Why a relayed response was not (wholly) measured (timing.Unmeasured).
 UNMEASURED_REASONS = ("event_too_large", "undecodable", "client_backpressure")
 # What each objective's misses can be blamed on (slo.py): their series start at 0, so a burn's first
@@ -57,7 +57,10 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("llmproxy_unmeasured_requests", "counter", "Requests relayed whole but not (wholly) measured, by reason: event_too_large (a streamed event past --max-event-bytes), undecodable (a content-encoding the proxy could not decode), client_backpressure (a slow client filled the stream's read-ahead, --stream-buffer-bytes, so reading paused: its decode figures would be the client's pace and are left out of the decode histograms).", ("upstream", "reason")),
     MetricDef("llmproxy_requests_in_flight", "gauge", "Requests being relayed now.", ("upstream",)),
     MetricDef("llmproxy_max_in_flight", "gauge", "The admission cap, --max-in-flight, summed over worker processes (0: no cap).", ("upstream",)),
-    MetricDef("llmproxy_requests_rejected", "counter", "Requests the proxy answered 503 proxy_overloaded itself, by reason: max_in_flight (admission control), pool (every connection of the upstream's pool in use: --max-connections, --pool-timeout), descriptors, ports, memory (the proxy ran out while connecting upstream or relaying). Never the upstream's fault.", ("upstream", "reason")),
+    MetricDef("llmproxy_requests_rejected", "counter", "Requests the proxy answered 503 proxy_overloaded itself, by tenant and reason: max_in_flight (admission control: at the cap, its tenant at or over its share), queue_timeout (it waited --admission-queue-s for a slot), pool (every connection of the upstream's pool in use: --max-connections, --pool-timeout), descriptors, ports, memory (the proxy ran out while connecting upstream or relaying). Never the upstream's fault.", ("upstream", "reason", "tenant")),
+    MetricDef("llmproxy_admission_in_flight", "gauge", "Requests admitted under --max-in-flight and in flight now, by tenant: each tenant's use of the cap (its share: its weight over the weights of the tenants in flight or waiting).", ("tenant",)),
+    MetricDef("llmproxy_admission_queued", "gauge", "Requests waiting for a slot under --max-in-flight now (--admission-queue-s), by tenant.", ("tenant",)),
+    MetricDef("llmproxy_admission_wait_seconds", "histogram", "How long each request waited for a slot under --max-in-flight (--admission-queue-s), admitted or not, by tenant: the proxy's own wait (the phase wait).", ("tenant",), WAIT_BUCKETS),
     MetricDef("llmproxy_read_ahead_bytes", "gauge", "Bytes of streamed responses read from upstreams ahead of slow clients now (per stream at most --stream-buffer-bytes, in all --stream-buffer-total-bytes; read at each scrape; with workers, each worker's every second).", ()),
     MetricDef("llmproxy_open_fds", "gauge", "Open file descriptors of the proxy's processes (read at each scrape; with workers, each worker's every second).", ()),
     MetricDef("llmproxy_max_fds", "gauge", "The open files limit (RLIMIT_NOFILE soft limit, after the proxy raised it to the hard one), summed over worker processes.", ()),
@@ -206,7 +209,9 @@ class ProxyMetrics:
         if t.unmeasured:
             child("llmproxy_unmeasured_requests", upstream, t.unmeasured).inc()
         if t.outcome == "overloaded":
-            child("llmproxy_requests_rejected", upstream, t.error.rpartition(":")[2]).inc()
+            child("llmproxy_requests_rejected", upstream, t.error.rpartition(":")[2], tenant).inc()
+        if t.queued_ns is not None and t.admitted_ns is not None:
+            child("llmproxy_admission_wait_seconds", tenant).observe((t.admitted_ns - t.queued_ns) / 1e9)
         for attempt, part in failover_shares(t, b):
             child("llmproxy_failovers", model, attempt.upstream, attempt.reason).inc()
             if b is not None and t.outcome == "ok":  # (the phase failover: each abandoned replica's own part)
@@ -303,11 +308,27 @@ class ProxyMetrics:
             del self._tenant_seen[tenant]
         return sorted(stale)
 
+    def admission(self, held: dict[str, int], queued: dict[str, int]) -> None:
+        """Each tenant's admitted and waiting requests now; a tenant with none reads 0 (its series stays until it expires)."""
+        for name, now in (("llmproxy_admission_in_flight", held), ("llmproxy_admission_queued", queued)):
+            for key in [k for k in self._bound if k[0] == name and k[1] not in now]:
+                self._bound[key].set(0)
+            for tenant, n in now.items():
+                self.child(name, tenant).set(n)
+
+    def tenants_known(self, upstream: str, tenants: Iterable[str], capped: bool) -> None:
+        """The refusal series of every tenant the file names (and `unknown`, `other`) start at 0, so the
+        dashboard and LLMProxySaturated see a tenant's first refusal in rate(); with a cap, its admission series too."""
+        for tenant in tenants:
+            for reason in REJECT_REASONS:
+                self.child("llmproxy_requests_rejected", upstream, reason, tenant)
+            if capped:
+                for name in ("llmproxy_admission_in_flight", "llmproxy_admission_queued", "llmproxy_admission_wait_seconds"):
+                    self.child(name, tenant)
+
     def accept_paused(self, upstream: str) -> Any:
         """The listener's pause counter (acceptor.py). The overload series start at 0, so the
         dashboard and LLMProxySaturated see them before any overload."""
-        for reason in REJECT_REASONS:
-            self.child("llmproxy_requests_rejected", upstream, reason)
         for result in ("waited", "refused"):
             self.child("llmproxy_upstream_pool_waits", upstream, result)
         for reason in UNMEASURED_REASONS:

@@ -99,11 +99,17 @@ class Exchange:
         task = self.task = asyncio.current_task()
         assert task is not None
         watcher: asyncio.Task[None] | None = None
-        admitted = False
+        admitted, admission = False, app.admission
         try:
             # Who sent it, before anything can refuse it: a refused request is its tenant's too.
             t.tenant = app.tenants.tenant(self.scope["headers"], self.scope.get("query_string", b""))
-            app.admission.enter()  # over --max-in-flight: an immediate 503, before the body is read
+            share = app.tenants.label(t.tenant)  # (whose share of --max-in-flight: admission.py)
+            if not admission.try_enter(share):  # over its share at the cap: a 503 before the body is read, or a wait
+                t.queued_ns = now_ns() if admission.queue_s else None
+                try:
+                    await admission.wait(share)
+                finally:
+                    t.admitted_ns = now_ns()
             admitted = True
             check_request(self.scope, app.client_keys)
             body = await read_body(self.scope, self.receive, app.settings)
@@ -127,7 +133,7 @@ class Exchange:
             await self._fail(ProxyError("internal proxy error"))
         finally:
             if admitted:
-                app.admission.leave()
+                admission.leave(share)
             self.relaying = False
             if watcher is not None:
                 watcher.cancel()

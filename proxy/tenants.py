@@ -10,6 +10,10 @@ user (many: in records and spans only, never a metric label). `--tenants PATH` (
       - header: {name: x-tenant, values: any}   # no name: the header's value is the tenant
     users:
       header: x-end-user                # optional; the API's own user fields are always read
+    weights: {unknown: 1, other: 1}     # optional: the admission weights of those two (1 each)
+
+Any named entry (or a nameless one with listed values) may say `weight: W` (a number > 0, 1 by
+default): the tenant's weight in fair admission at --max-in-flight (admission.py).
 
 Sources, the first that gives a value winning: the API key the request carries (any API's key
 header, or Gemini's `key` query parameter: the proxy's own `--api-key` keys and a provider's alike),
@@ -30,7 +34,7 @@ import hashlib
 import logging
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .config import checked_entry, parse_yaml, read_text
@@ -71,6 +75,7 @@ class Config:
     headers: tuple[HeaderSource, ...]
     user_header: bytes
     named: frozenset[str]  # the tenants metrics label by name
+    weights: dict[str, float] = field(default_factory=dict)  # admission weights other than 1, by label
 
     @property
     def empty(self) -> bool:
@@ -93,13 +98,20 @@ def parse(text: str, path: str = "<tenants>") -> Config:
     if not isinstance(data, dict) or not isinstance(data.get("tenants", []), list):
         raise ValueError(f"tenants file {path}, line 1: expected `tenants:` (a list) and optionally `users:`")
     where = f"tenants file {path}, line {data.pop('__line__', 1)}"
-    if set(data) - {"tenants", "users"}:
-        raise ValueError(f"{where}: unknown keys {sorted(set(data) - {'tenants', 'users'})} (known: tenants, users)")
+    if set(data) - {"tenants", "users", "weights"}:
+        raise ValueError(f"{where}: unknown keys {sorted(set(data) - {'tenants', 'users', 'weights'})} (known: tenants, users, weights)")
+    weights: dict[str, float] = {}
+    fixed = data.get("weights") or {}
+    if not isinstance(fixed, dict) or set(fixed) - {UNKNOWN, OTHER, "__line__"}:
+        raise ValueError(f"{where}: weights must be {{unknown: W, other: W}} (the named tenants' are their entries' `weight`)")
+    for label in (UNKNOWN, OTHER):
+        if label in fixed:
+            weights[label] = _weight(fixed[label], where)
     keys: dict[str, str] = {}
     headers: list[HeaderSource] = []
     named: set[str] = set()
     for spec in data.get("tenants") or []:
-        where = checked_entry(spec, f"tenants file {path}", ("name", "keys", "header"), "tenant")
+        where = checked_entry(spec, f"tenants file {path}", ("name", "keys", "header", "weight"), "tenant")
         if "keys" not in spec and "header" not in spec:
             raise ValueError(f"{where}: a tenant needs `keys`, `header` or both")
         name = _name(spec["name"], where, "name") if "name" in spec else ""
@@ -134,12 +146,29 @@ def parse(text: str, path: str = "<tenants>") -> Config:
             else:
                 raise ValueError(f"{where}: header values must be a non-empty list of strings or `any`, not {values!r}")
             headers.append(HeaderSource(header["name"].strip().lower().encode("latin-1"), allowed, name))
+        if "weight" in spec:
+            labels = [name] if name else sorted(allowed or ())
+            if not labels:
+                raise ValueError(f"{where}: a nameless `values: any` entry's tenants are `other` in admission: "
+                                 "set its weight with `weights: {other: W}`")
+            for label in labels:
+                weight = _weight(spec["weight"], where)
+                if weights.get(label, weight) != weight:
+                    raise ValueError(f"{where}: tenant {label!r} is given two weights")
+                weights[label] = weight
     users = data.get("users") or {}
     if not isinstance(users, dict) or set(users) - {"header", "__line__"} or not isinstance(users.get("header", ""), str):
         raise ValueError(f"tenants file {path}, line {users.get('__line__', 1) if isinstance(users, dict) else 1}: "
                          "users must be {header: HEADER}")
     lengths = tuple(sorted({len(k) for k in keys}))
-    return Config(keys, lengths, tuple(headers), users.get("header", "").strip().lower().encode("latin-1"), frozenset(named))
+    return Config(keys, lengths, tuple(headers), users.get("header", "").strip().lower().encode("latin-1"), frozenset(named),
+                  {label: w for label, w in weights.items() if w != 1.0})
+
+
+def _weight(value: object, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1e6:
+        raise ValueError(f"{where}: a weight is a number above 0 (at most 1e6), not {value!r}")
+    return float(value)
 
 
 def load(path: str) -> Config:
@@ -218,6 +247,14 @@ class Tenants:
         """The end user: the configured header, then the API's own fields; "" when none."""
         value = _header(headers, self.config.user_header) if self.config.user_header else ""
         return clean(value or api_user(parsed), USER_CHARS)
+
+    def labels(self) -> list[str]:
+        """Every tenant label there can be: the named ones, `unknown` and `other`."""
+        return [*sorted(self.config.named), UNKNOWN, OTHER]
+
+    def weight(self, label: str) -> float:
+        """A tenant label's admission weight (1 unless the file says otherwise)."""
+        return self.config.weights.get(label, 1.0)
 
     def label(self, tenant: str) -> str:
         """The `tenant` metric label: a tenant the file names, `unknown`, or `other`."""

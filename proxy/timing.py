@@ -16,8 +16,10 @@ exactly once, when the request ends, whatever the ending. Definitions (docs/defi
   proxy     = (body read -> upstream request issued) + (first content chunk read -> handed to
               the server's send) + (upstream stream ended -> last byte handed to the server's send,
               less the client's part of it)
-  wait      = the proxy's own wait for a free upstream connection (its pool full: --max-connections,
-              --pool-timeout); a queue inside the proxy, never network, never the engine's `queue`
+  wait      = the proxy's own waits: for a slot under --max-in-flight (--admission-queue-s: its
+              tenant over its share) and for a free upstream connection (its pool full:
+              --max-connections, --pool-timeout); queues inside the proxy, never network, never
+              the engine's `queue`
   failover  = the time lost on attempts abandoned for another replica (a connect error, a 5xx or 429,
               no first token by the route's deadline): from the first attempt's issue to the last's
   network   = DNS + TCP + (CONNECT through an egress proxy) + TLS + request upload + one RTT
@@ -80,6 +82,8 @@ class RequestTiming:
     tenant: str = "unknown"  # who sent it (tenants.py): the application or team
     user: str = ""  # its end user ("": none named); records and spans only, never a metric label
     body_end_ns: int | None = None  # the client's request body fully read
+    queued_ns: int | None = None  # it began waiting for a slot under --max-in-flight (admission.py; None: admitted at once)
+    admitted_ns: int | None = None  # ... and was admitted, or gave up (--admission-queue-s)
     # upstream exchange (stamped by upstream.py at each step; those of the last attempt)
     issued_ns: int | None = None
     first_issued_ns: int | None = None  # the first attempt's issue, when it was abandoned for another replica
@@ -261,6 +265,14 @@ def split(t: RequestTiming) -> Breakdown:
     client = _s(t.received_ns, body_end) or 0.0
     first_issued = t.first_issued_ns if t.first_issued_ns is not None else t.issued_ns
     proxy_before = _s(body_end, first_issued) or 0.0
+    # The admission wait, where the client had nothing left to send (its part before that is the upload's).
+    admission = 0.0
+    if t.queued_ns is not None:
+        admission = _s(max(t.queued_ns, body_end), t.admitted_ns) or 0.0
+    if first_issued is not None:
+        admission = min(admission, proxy_before)
+        proxy_before -= admission
+    wait += admission
     failover = _s(first_issued, t.issued_ns) or 0.0 if t.first_issued_ns is not None else 0.0
     upstream_end = t.upstream_end_ns if t.upstream_end_ns is not None else end_ns
     tail_from = max(upstream_end, body_end)
@@ -276,6 +288,9 @@ def split(t: RequestTiming) -> Breakdown:
     tokenize = t.tokenize_prompt_s or 0.0
     if t.issued_ns is None:  # refused or failed before anything went upstream: the proxy's own time
         phases["proxy"] = max(0.0, e2e - client)
+        if admission:  # (of it, the wait for a slot)
+            phases["wait"] = min(admission, phases["proxy"])
+            phases["proxy"] -= phases["wait"]
     elif ttft is not None and first is not None:
         rest = _carve(phases, max(0.0, ttft - client - proxy_before), failover, wait, network, tokenize)
         hidden = t.hidden_reasoning_tokens

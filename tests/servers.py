@@ -266,7 +266,8 @@ class ProxyServer:
 
 
 TENANTED = ("llmproxy_requests_total", "llmproxy_time_to_first_token_seconds", "llmproxy_request_duration_seconds",
-            "llmproxy_decode_tokens_per_second", "llmproxy_slo_requests_total", "llmproxy_slo_misses_total")
+            "llmproxy_decode_tokens_per_second", "llmproxy_slo_requests_total", "llmproxy_slo_misses_total",
+            "llmproxy_requests_rejected_total")
 
 
 class RawUpstream:

@@ -165,5 +165,5 @@ def test_series_at_the_model_cap(proxy_factory, tmp_path):
     assert len(slo) == sets * (2 + sum(map(len, BLAMES.values()))), len(slo)  # every set at its most
     assert sum(float(line.rsplit(b" ", 1)[1]) for line in requests) == 1500  # every request counted, named or not
     labels = set(re.findall(rb'tenant="([^"]*)"', body))
-    assert labels == {b"tenant-%02d" % i for i in range(20)} | {b"other"}, labels
+    assert labels == {b"tenant-%02d" % i for i in range(20)} | {b"other", b"unknown"}, labels  # (unknown: its refusal series, from 0)
     assert b"user-" not in body and b"user=" not in body

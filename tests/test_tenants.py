@@ -106,10 +106,10 @@ def test_reload_keeps_the_old_file_when_the_new_one_is_broken(tmp_path):
     assert t.tenant(h(authorization=f"Bearer {KEY_A}")) == "renamed"
 
 
-# End to end: three applications known only by their keys and one by a header, 10,000 end users.
+# End to end: three applications known only by their keys and one by a header, 4,000 end users.
 APPS = {"search": "sk-app-search-1111111111", "chat": "sk-app-chat-2222222222", "agents": "sk-app-agents-3333333333"}
 GATEWAY_KEY = "sk-app-gateway-4444444444"  # the batch team's gateway: a key the tenants file does not name, and a header
-USERS = 10_000
+USERS = 4_000
 FAST = {"x-sim-ttft-ms": "0", "x-sim-decode-tps": "100000"}
 
 

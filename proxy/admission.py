@@ -100,11 +100,13 @@ class Admission:
         if not self.cap:
             self.in_flight += 1
             return True
-        if (self.in_flight + len(self.held) < self.cap and not self.queues) or (not self.queues and self._may_enter(tenant)) \
-                or self.held.get(tenant, 0) < int(self.share(tenant)):
+        if self.queues:  # others wait: only a tenant under its share goes ahead of them
+            admitted = self.held.get(tenant, 0) < int(self.share(tenant))
+        else:
+            admitted = self.in_flight + len(self.held) < self.cap or self._may_enter(tenant)
+        if admitted:
             self._admit(tenant)
-            return True
-        return False
+        return admitted
 
     async def wait(self, tenant: str) -> None:
         """After `try_enter` said no: wait for a slot if the queue is on. Raises ProxyOverloaded when

@@ -151,8 +151,8 @@ def parse(text: str, path: str = "<tenants>") -> Config:
             if not labels:
                 raise ValueError(f"{where}: a nameless `values: any` entry's tenants are `other` in admission: "
                                  "set its weight with `weights: {other: W}`")
+            weight = _weight(spec["weight"], where)
             for label in labels:
-                weight = _weight(spec["weight"], where)
                 if weights.get(label, weight) != weight:
                     raise ValueError(f"{where}: tenant {label!r} is given two weights")
                 weights[label] = weight

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # for every proxy the tests start, in this process or as a child.
 os.environ["XDG_DATA_HOME"] = tempfile.mkdtemp(prefix="llmproxy-test-data-")
 
-from servers import ProxyServer, Simulator  # noqa: E402
+from servers import Postgres, ProxyServer, Simulator  # noqa: E402
 
 from proxy import build  # noqa: E402
 
@@ -26,6 +26,14 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     if stale:
         raise pytest.UsageError(f"{', '.join(stale)} changed after the compiled build beside it: run `make install` "
                                 "(or delete the proxy/*.so files to run interpreted)")
+
+
+@pytest.fixture(scope="module")
+def pg() -> Iterator[Postgres]:
+    """A PostgreSQL cluster of its own per test module (a temporary folder, run as the `postgres` user)."""
+    server = Postgres()
+    yield server
+    server.destroy()
 
 
 @pytest.fixture(scope="session")

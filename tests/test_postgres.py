@@ -12,7 +12,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -28,13 +28,6 @@ import fleet
 from servers import ROOT, Postgres, Process, scraped
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def pg() -> Iterator[Postgres]:
-    server = Postgres()
-    yield server
-    server.destroy()
 
 
 TABLES = (TABLE, "llmproxy_rollup", "llmproxy_hist", "llmproxy_hist_block", "llmproxy_compacted", "llmproxy_dirty", "llmproxy_boots")

@@ -17,13 +17,6 @@ from servers import Postgres
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
-def pg() -> Iterator[Postgres]:
-    server = Postgres()
-    yield server
-    server.destroy()
-
-
 @pytest.fixture(params=["sqlite", "postgresql"])
 def target(request: Any, tmp_path: Any) -> Iterator[tuple[str, str]]:
     """A fresh store of each kind: (its --records-db, its password file)."""

@@ -152,17 +152,19 @@ def main() -> int:
             # Each relay's process does only its own requests' work: its CPU over the whole
             # conversation, the finish of the last turn included (tokenize, records), per turn.
             started_cpu = {name: children_cpu(pid) for name, pid in pids.items()}
+            started_own = {name: common.cpu_seconds(pid) for name, pid in pids.items()}
             for path, raw in bodies:  # one turn through each relay (and direct), then the next turn
                 ttft["direct"].append(one(client, compare.SIM_URL, path, raw))
                 for name, port in ports.items():
                     ttft[name].append(one(client, f"http://127.0.0.1:{port}", path, raw))
             time.sleep(1.5)
             cpu = {name: children_cpu(pid) - started_cpu[name] for name, pid in pids.items()}
+            own = {name: common.cpu_seconds(pid) - started_own[name] for name, pid in pids.items()}
             records = {name: httpx.get(f"http://127.0.0.1:{port}/llmproxy/requests", params={"limit": args.turns}).json()
                        for name, port in ports.items() if name != "envoy"}
             direct = statistics.median(ttft["direct"])
             for name in ports:
-                row = {"api": api, "relay": name, "cpu_ms": cpu[name] / len(bodies) * 1000,
+                row = {"api": api, "relay": name, "cpu_ms": cpu[name] / len(bodies) * 1000, "serving_ms": own[name] / len(bodies) * 1000,
                        "added_ttft_ms": (statistics.median(ttft[name]) - direct) * 1000}
                 if name in records:
                     r = records[name]
@@ -172,13 +174,14 @@ def main() -> int:
                 print(json.dumps(row), flush=True)
     print(f"\ncommand: ENVOY=.venv-envoy/bin/envoy .venv/bin/python bench/agent.py {' '.join(sys.argv[1:])}; {args.turns} turns per API, "
           "CPU per request is the mean over the turns")
-    print("| api | relay | CPU per request (ms) | ÷ Envoy's | added TTFT p50 (ms) | tokenize, turn 1 / last (ms) | prompt tokens, turn 1 / last |")
-    print("|---|---|---|---|---|---|---|")
+    print("| api | relay | CPU per request (ms) | ÷ Envoy's | of it the serving process (ms) | added TTFT p50 (ms) | tokenize, turn 1 / last (ms) | prompt tokens, turn 1 / last |")
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         floor = next(r["cpu_ms"] for r in rows if r["api"] == row["api"] and r["relay"] == "envoy")
         tokenize = f"{row['tokenize_first_ms']:.2f} / {row['tokenize_last_ms']:.2f}" if "tokenize_first_ms" in row else ""
         tokens = f"{row['prompt_tokens'][0]} / {row['prompt_tokens'][1]}" if "prompt_tokens" in row else ""
-        print(f"| {row['api']} | {row['relay']} | {row['cpu_ms']:.2f} | {row['cpu_ms'] / floor:.1f}× | {row['added_ttft_ms']:.2f} | {tokenize} | {tokens} |")
+        print(f"| {row['api']} | {row['relay']} | {row['cpu_ms']:.2f} | {row['cpu_ms'] / floor:.2f}× | {row['serving_ms']:.2f} | {row['added_ttft_ms']:.2f} | {tokenize} "
+              f"| {tokens} |")
     return 0
 
 

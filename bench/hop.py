@@ -3,6 +3,7 @@ time (and its spread from run to run) is not in the figure.
 
     .venv/bin/python bench/hop.py                  # direct, Envoy, this proxy (defaults, + tracing)
     .venv/bin/python bench/hop.py --rounds 8 --burst 64
+    .venv/bin/python bench/hop.py --systems direct envoy defaults before --before DIR --shapes keep-alive   # another checkout
 
 The upstream is bench/common.py's instrumented one (bench/stamps.py's): a raw HTTP server in its own process that notes when each
 request arrived (its body read whole) and when it began writing the first content chunk
@@ -78,6 +79,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--sequential", type=int, default=200)
     parser.add_argument("--systems", nargs="+", default=["direct", "envoy", "defaults", "tracing"])
+    parser.add_argument("--shapes", nargs="+", default=["sequential", "keep-alive", "fresh"])
+    parser.add_argument("--before", default="", help="another checkout, run as the system 'before' (its defaults)")
     args = parser.parse_args()
     upstream_port = free_port()
     log = Path(tempfile.mkdtemp()) / "writes.jsonl"
@@ -97,14 +100,14 @@ def main() -> int:
                                           f"http://127.0.0.1:{port}/health")
             else:
                 target = port
-                cmd = serve_command(str(ROOT), "serve", "--upstream", f"http://127.0.0.1:{upstream_port}/v1", "--port", str(port))
+                cmd = serve_command(args.before if system == "before" else str(ROOT), "serve", "--upstream", f"http://127.0.0.1:{upstream_port}/v1", "--port", str(port))
                 context = common.process(cmd, f"http://127.0.0.1:{port}/healthz",
                                           {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.url} if system == "tracing" else {})
             if context is not None:
                 context.__enter__()
             try:
                 results[system] = {}
-                for shape in ("sequential", "keep-alive", "fresh"):
+                for shape in args.shapes:
                     tag = f"{system}-{shape}"
                     print(f"[{system}] {shape}", flush=True)
                     rows = asyncio.run(requests(target, "/v1", tag, shape, args.burst, args.rounds, args.sequential))

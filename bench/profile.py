@@ -3,6 +3,7 @@
     .venv/bin/python bench/profile.py --shape burst --streams 64          # bursts of 64 new streams
     .venv/bin/python bench/profile.py --shape steady --streams 64         # 64 streams, closed loop
     .venv/bin/python bench/profile.py --shape burst --fresh -- --token-spans off   # proxy flags after --
+    .venv/bin/python bench/profile.py --shape agent --api chat            # bench/agent.py's turns, one at a time
 
 The load is compare.py's (the raw client, the simulator at TTFT 20 ms then 100 tok/s); `--fresh`
 opens one connection per stream instead of keeping them. py-spy samples every thread of the
@@ -30,9 +31,28 @@ from proxy.demo import free_port, serve_command  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PY_SPY = str(Path(sys.executable).parent / "py-spy")
+LOAD_API = "chat"  # (--api: the agent shape's API)
+
+
+def agent_turns(port: int, api: str, seconds: float) -> int:
+    """bench/agent.py's conversation (a 170 KB system prompt, 30 tools), turn after turn, for `seconds`:
+    the per-request work of agent-sized bodies."""
+    import agent
+    import httpx
+
+    bodies = [(path, agent.json.dumps(body).encode()) for path, body in agent.turn_bodies(api, 40)]
+    done, deadline = 0, time.perf_counter() + seconds
+    with httpx.Client(timeout=60) as client:
+        while time.perf_counter() < deadline:
+            path, raw = bodies[done % len(bodies)]
+            agent.one(client, f"http://127.0.0.1:{port}", path, raw)
+            done += 1
+    return done
 
 
 async def load(target: tuple[int, str], shape: str, streams: int, seconds: float, fresh: bool, tokens: int) -> int:
+    if shape == "agent":
+        return await asyncio.to_thread(agent_turns, target[0], LOAD_API, seconds)
     if shape == "burst":
         rounds = 0
         deadline = time.perf_counter() + seconds
@@ -75,7 +95,8 @@ def main() -> int:
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser()
-    parser.add_argument("--shape", choices=["burst", "steady"], default="burst")
+    parser.add_argument("--shape", choices=["burst", "steady", "agent"], default="burst")
+    parser.add_argument("--api", choices=["chat", "responses", "messages", "gemini"], default="chat", help="the agent shape's API")
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--rate", type=int, default=250)
@@ -86,6 +107,8 @@ def main() -> int:
     parser.add_argument("--src", default=str(ROOT), help="the checkout to profile")
     parser.add_argument("--no-tracing", action="store_true", help="the defaults: no OTLP endpoint, so no spans")
     args = parser.parse_args(argv)
+    global LOAD_API
+    LOAD_API = args.api
     sim_port, port = free_port(), free_port()
     compare.SIM_URL = f"http://127.0.0.1:{sim_port}"
     sink = common.Sink()
@@ -104,7 +127,7 @@ def main() -> int:
                 cpu = common.cpu_seconds(proc.pid) - before
                 spy.wait(timeout=60)
         print(f"{args.shape}, {args.streams} streams, {'one connection per stream' if args.fresh else 'keep-alive'}: "
-              f"{done} {'rounds' if args.shape == 'burst' else 'chunks'}, proxy CPU {cpu:.2f} s")
+              f"{done} {dict(burst='rounds', agent='requests').get(args.shape, 'chunks')}, proxy CPU {cpu:.2f} s")
         report(raw, args.top)
     finally:
         sink.close()

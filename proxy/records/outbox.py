@@ -4,7 +4,7 @@ Why a process: what a record costs beyond its JSON (its typed columns, its compr
 driver encoding the batch, SQLite's own inserting and indexing in-process) held the serving process's
 GIL and CPU: 65 µs a record, 13% fewer short requests a second (bench/records_cost.py). Here the
 serving process only names the record, serialises it once (orjson) and queues it; a sender thread
-hands what is queued to the writer process every `SEND_S` over a pipe (one message a batch), where a
+hands what is queued to the writer process `SEND_S` after the first of it, over a pipe (one message a batch), where a
 `Writer` (records/__init__.py: its bounded buffer, batches, retries, maintenance, boots) does the rest,
 and reports back what the metrics count (written, dropped by reason, errors, records lost by crashes,
 what it buffers). Reads (`recent`, the summaries) go to the store directly, from this process.
@@ -87,6 +87,7 @@ class Outbox:
         self._seq = itertools.count(1)
         self._queue: collections.deque[tuple[str, int, bytes, int]] = collections.deque()
         self._cond = threading.Condition()
+        self._wake = threading.Event()  # set when the queue was empty and is not, or a flush or the close asks
         self._waiting: dict[int, threading.Event] = {}  # flushes not answered yet
         self._to_send: collections.deque[int] = collections.deque()  # flushes to send after the rows before them
         self._tokens = itertools.count(1)
@@ -114,17 +115,27 @@ class Outbox:
         seq = next(self._seq)
         record["id"] = rid = f"{self.instance}/{self.boot}/{seq}"
         try:
-            self._queue.append((rid, ended_ns(record), serialise(record), seq))
+            item = (rid, ended_ns(record), serialise(record), seq)
         except (TypeError, ValueError, KeyError):
             self.on_error()
             self.on_drop("rejected", 1)
+            return
+        queue = self._queue
+        queue.append(item)
+        if len(queue) == 1:  # (it was empty: once per batch, not per record; a drain that took it already is harmless)
+            self._wake.set()
 
     def _send(self) -> None:
-        """Every SEND_S, what is queued, in one message; a flush or the close at once. A dead writer process is replaced."""
+        """What is queued, in one message, `SEND_S` after the first of it; a flush or the close at once. Asleep while
+        nothing is queued: a thread that woke every `SEND_S` regardless cost an idle proxy 8 ms of CPU a second and
+        took the GIL from the relay 100 times a second. A dead writer process is replaced."""
         while True:
+            self._wake.wait()
             with self._cond:
-                self._cond.wait(SEND_S)
+                if not (self._stopping or self._to_send):
+                    self._cond.wait(SEND_S)  # (the batch's window; a flush or the close cuts it short)
                 stopping = self._stopping
+            self._wake.clear()  # (before the queue is drained: a record added from here on sets it again, or is drained now)
             rows = []
             while self._queue:
                 rows.append(self._queue.popleft())
@@ -178,6 +189,7 @@ class Outbox:
         token, event = next(self._tokens), threading.Event()
         self._waiting[token] = event
         self._to_send.append(token)
+        self._wake.set()
         with self._cond:
             self._cond.notify_all()
         event.wait(timeout)
@@ -192,6 +204,7 @@ class Outbox:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
+        self._wake.set()
         self._sender.join(timeout + 1.0)
         self._closed.wait(timeout + 2.0)
         self._process.join(5.0)

@@ -58,6 +58,7 @@ class Writer:
         self._boot = boot or f"{os.getpid()}/{time.time_ns()}"
         self._urgent = False  # a flush is waiting: write now, do not wait for a fuller batch
         self._stopping = False
+        self._stop = threading.Event()  # set with _stopping: the maintenance thread's wait ends
         self._deadline = 0.0
         self._down_since = 0.0  # when the store last became unreachable (0: it is reachable)
         self._said: set[str] = set()  # the kinds of failure logged already
@@ -165,6 +166,7 @@ class Writer:
         with self._cond:
             self._stopping, self._deadline = True, time.monotonic() + timeout
             self._cond.notify_all()
+        self._stop.set()
         self._thread.join(timeout + 1.0)
 
     def recent(self, limit: int, filters: Filters) -> list[bytes]:
@@ -304,9 +306,8 @@ class Writer:
         """The maintenance thread: every `retain_every_s`, once the store is reachable, the backend's pass on its
         own connection (retention, compaction, migrations, boots), off the write path. It never dies either."""
         while not self._stopping:
-            with self._cond:
-                self._cond.wait_for(lambda: self._stopping, self.retain_every_s)
-            if self._stopping or not self.connected:
+            # (its own event, not the writer's condition: every first row's notify would wake it for nothing)
+            if self._stop.wait(self.retain_every_s) or self._stopping or not self.connected:
                 continue
             try:
                 lost, unreadable = self.backend.maintain()

@@ -59,6 +59,7 @@ class Writer:
         self._urgent = False  # a flush is waiting: write now, do not wait for a fuller batch
         self._stopping = False
         self._stop = threading.Event()  # set with _stopping: the maintenance thread's wait ends
+        self._reported = 0  # what on_batch said was waiting last
         self._deadline = 0.0
         self._down_since = 0.0  # when the store last became unreachable (0: it is reachable)
         self._said: set[str] = set()  # the kinds of failure logged already
@@ -176,9 +177,10 @@ class Writer:
         """The next batch (None: stop). Waits for a first row, then up to FLUSH_S for a fuller batch."""
         with self._cond:
             while not self._buffer and not self._stopping:
-                self._cond.wait(1.0 if self.retain_every_s else None)
-                if not self._buffer and self.retain_every_s:
-                    return []  # idle: a chance to retain
+                reconnect = bool(self.retain_every_s) and not self.connected
+                self._cond.wait(1.0 if reconnect else None)  # (connected and idle: asleep until a row or the close)
+                if not self._buffer and reconnect:
+                    return []  # idle and not connected: a chance to reach the store, for the maintenance thread
             if not self._buffer:
                 return None
             deadline = time.monotonic() + FLUSH_S
@@ -197,8 +199,10 @@ class Writer:
                 self._bytes += sum(len(row.data) for row in batch)
                 self._enforce_caps()
             self._cond.notify_all()
-        if self.on_batch is not None:
-            self.on_batch(stored, self.buffered)
+        waiting = self.buffered
+        if self.on_batch is not None and (batch or waiting != self._reported):  # (an idle pass says nothing new: no message)
+            self._reported = waiting
+            self.on_batch(stored, waiting)
 
     def _refused(self, count: int, exc: BaseException) -> None:
         """Records the store (or the serialiser) refuses for what they hold: dropped, counted, said once per kind."""

@@ -276,14 +276,16 @@ def test_a_migration_that_fails_half_way_leaves_the_file_as_it_was(tmp_path, mon
 def test_the_outbox_sleeps_while_idle_and_wakes_for_a_record(tmp_path):
     """The serving process's sender thread hands records to the writer process: a record added after a long idle
     still reaches the store with no flush asked (the wake is not lost), and idle it takes no CPU (it once woke every
-    10 ms: 8 ms of CPU a second, and the relay's GIL 100 times a second)."""
+    10 ms: 8 ms of CPU a second, and the relay's GIL 100 times a second); nor does the records process wake it."""
     import threading
 
     from proxy.records.outbox import Outbox
 
     path = str(tmp_path / "records.sqlite")
     errors: list[int] = []
-    outbox = Outbox(path, {}, "test", 1000, 1 << 20, lambda: errors.append(1), lambda reason, n: errors.append(n))
+    reports: list[tuple[int, int]] = []  # (stored, waiting): what the records process reported, batch by batch
+    outbox = Outbox(path, {}, "test", 1000, 1 << 20, lambda: errors.append(1), lambda reason, n: errors.append(n),
+                    lambda stored, waiting: reports.append((stored, waiting)))
     try:
         def rec(i: int) -> dict:
             return {"endpoint": "chat", "stream": True, "outcome": "ok", "model": f"m{i}", "upstream": "u", "api": "openai",
@@ -299,10 +301,12 @@ def test_the_outbox_sleeps_while_idle_and_wakes_for_a_record(tmp_path):
         assert until(lambda: stored() == 1)  # (no flush: the sender woke for it)
         sender = next(t for t in threading.enumerate() if t.name == "llmproxy-records-send")
         schedstat = Path(f"/proc/self/task/{sender.native_id}/schedstat")
-        before = int(schedstat.read_text().split()[0])
-        time.sleep(1.0)
+        assert until(lambda: sum(stored for stored, _ in reports) == 1)
+        before, reported = int(schedstat.read_text().split()[0]), len(reports)
+        time.sleep(1.5)
         idle_cpu_s = (int(schedstat.read_text().split()[0]) - before) / 1e9
-        assert idle_cpu_s < 0.002, idle_cpu_s  # (the 10 ms poll: 0.008)
+        assert idle_cpu_s < 0.003, idle_cpu_s  # (the 10 ms poll: 0.012)
+        assert reports[reported:] == []  # (an idle writer's pass every second once reported an empty batch, waking this process)
         for i in range(2, 5):  # after the idle: each added alone, each written
             outbox.add(rec(i))
             assert until(lambda: stored() == i), i

@@ -4,7 +4,7 @@ Why a process: what a record costs beyond its JSON (its typed columns, its compr
 driver encoding the batch, SQLite's own inserting and indexing in-process) held the serving process's
 GIL and CPU: 65 µs a record, 13% fewer short requests a second (bench/records_cost.py). Here the
 serving process only names the record, serialises it once (orjson) and queues it; a sender thread
-hands what is queued to the writer process `SEND_S` after the first of it, over a pipe (one message a batch), where a
+hands what is queued to the writer process over a pipe, at most once per `SEND_S` (one message a batch), where a
 `Writer` (records/__init__.py: its bounded buffer, batches, retries, maintenance, boots) does the rest,
 and reports back what the metrics count (written, dropped by reason, errors, records lost by crashes,
 what it buffers). Reads (`recent`, the summaries) go to the store directly, from this process.

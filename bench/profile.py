@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import json
 import subprocess
 import sys
 import tempfile
@@ -31,7 +32,6 @@ from proxy.demo import free_port, serve_command  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PY_SPY = str(Path(sys.executable).parent / "py-spy")
-LOAD_API = "chat"  # (--api: the agent shape's API)
 
 
 def agent_turns(port: int, api: str, seconds: float) -> int:
@@ -40,7 +40,7 @@ def agent_turns(port: int, api: str, seconds: float) -> int:
     import agent
     import httpx
 
-    bodies = [(path, agent.json.dumps(body).encode()) for path, body in agent.turn_bodies(api, 40)]
+    bodies = [(path, json.dumps(body).encode()) for path, body in agent.turn_bodies(api, 40)]
     done, deadline = 0, time.perf_counter() + seconds
     with httpx.Client(timeout=60) as client:
         while time.perf_counter() < deadline:
@@ -50,9 +50,9 @@ def agent_turns(port: int, api: str, seconds: float) -> int:
     return done
 
 
-async def load(target: tuple[int, str], shape: str, streams: int, seconds: float, fresh: bool, tokens: int) -> int:
+async def load(target: tuple[int, str], shape: str, streams: int, seconds: float, fresh: bool, tokens: int, api: str = "chat") -> int:
     if shape == "agent":
-        return await asyncio.to_thread(agent_turns, target[0], LOAD_API, seconds)
+        return await asyncio.to_thread(agent_turns, target[0], api, seconds)
     if shape == "burst":
         rounds = 0
         deadline = time.perf_counter() + seconds
@@ -107,8 +107,6 @@ def main() -> int:
     parser.add_argument("--src", default=str(ROOT), help="the checkout to profile")
     parser.add_argument("--no-tracing", action="store_true", help="the defaults: no OTLP endpoint, so no spans")
     args = parser.parse_args(argv)
-    global LOAD_API
-    LOAD_API = args.api
     sim_port, port = free_port(), free_port()
     compare.SIM_URL = f"http://127.0.0.1:{sim_port}"
     sink = common.Sink()
@@ -118,12 +116,12 @@ def main() -> int:
             compare.schedule(compare.SWEEP_SCHEDULE)
             cmd = serve_command(args.src, "serve", "--upstream", f"{compare.SIM_URL}/v1", "--port", str(port), *extra)
             with common.process(cmd, f"http://127.0.0.1:{port}/healthz", {} if args.no_tracing else {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.url}) as proc:
-                asyncio.run(load((port, "/v1"), args.shape, args.streams, 2.0, args.fresh, args.tokens))  # warm
+                asyncio.run(load((port, "/v1"), args.shape, args.streams, 2.0, args.fresh, args.tokens, args.api))  # warm
                 spy = subprocess.Popen([PY_SPY, "record", "--pid", str(proc.pid), "--rate", str(args.rate), "--format", "raw",
                                         "--output", str(raw), "--duration", str(int(args.seconds)), "--threads", *(["--native"] if args.native else ["--nonblocking"])],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 before = common.cpu_seconds(proc.pid)
-                done = asyncio.run(load((port, "/v1"), args.shape, args.streams, args.seconds, args.fresh, args.tokens))
+                done = asyncio.run(load((port, "/v1"), args.shape, args.streams, args.seconds, args.fresh, args.tokens, args.api))
                 cpu = common.cpu_seconds(proc.pid) - before
                 spy.wait(timeout=60)
         print(f"{args.shape}, {args.streams} streams, {'one connection per stream' if args.fresh else 'keep-alive'}: "

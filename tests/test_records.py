@@ -301,7 +301,7 @@ def test_the_outbox_sleeps_while_idle_and_wakes_for_a_record(tmp_path):
         assert until(lambda: stored() == 1)  # (no flush: the sender woke for it)
         sender = next(t for t in threading.enumerate() if t.name == "llmproxy-records-send")
         schedstat = Path(f"/proc/self/task/{sender.native_id}/schedstat")
-        assert until(lambda: sum(stored for stored, _ in reports) == 1)
+        assert until(lambda: sum(n for n, _ in reports) == 1)
         before, reported = int(schedstat.read_text().split()[0]), len(reports)
         time.sleep(1.5)
         idle_cpu_s = (int(schedstat.read_text().split()[0]) - before) / 1e9

@@ -337,6 +337,12 @@ def build() -> dict:
         description="How right each proxy's index of a replica's prefix cache is (pick: predicted_ttft), on the requests whose "
                     "engine reported its cached tokens: 1 is exact; above 1 the engine evicted what the index still holds (the "
                     "index shrinks to follow); below 1 the replica had more than this proxy sent it (other proxies' requests)."))
+    d = d.with_panel(ts("Prefix strays: turns prefilled whole where their conversation was not", "reqps", [
+        q(f"sum by (upstream) (rate(llmproxy_prefix_strays_total{{{UP}}}[{RI}]))", "{{upstream}}", "A")], 0, 138, w=24,
+        description="Turns of a conversation this proxy had not seen on their replica (another proxy's, or from before a restart) "
+                    "that the engine reported none of cached: each a whole prefill. A proxy new to a conversation looks for it on "
+                    "the two replicas its key ranks first, so a few after a restart or a scale-out are expected; a steady rate "
+                    "means the proxies disagree on where conversations live (docs/deployment.md: session affinity)."))
     return json.loads(json.dumps(d.build(), cls=JSONEncoder))
 
 

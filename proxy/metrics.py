@@ -83,6 +83,7 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("llmproxy_tokens", "counter", "Tokens by kind (prompt, completion, cached_prompt: prompt tokens served from the cache, reasoning: hidden reasoning tokens, part of completion) and source (usage, engine, tokenizer).", ("model", "upstream", "kind", "source")),
     MetricDef("llmproxy_prefix_predicted_tokens", "counter", "Prompt tokens the replica's prefix index predicted it had cached (pick: predicted_ttft; the prompts sent to it, prefix.py), on the requests whose engine reported its cached tokens; beside llmproxy_prefix_reported_tokens_total: how right the index is.", ("upstream",)),
     MetricDef("llmproxy_prefix_reported_tokens", "counter", "Prompt tokens the engine reported cached (prompt_tokens_details.cached_tokens, cache_read_input_tokens, llama.cpp's cache_n) on the requests its prefix index made a prediction for: what llmproxy_prefix_predicted_tokens_total is checked against.", ("upstream",)),
+    MetricDef("llmproxy_prefix_strays", "counter", "Turns of a conversation this proxy had not seen on their replica (another proxy's, or from before a restart) that the engine then reported none of cached: prefilled whole. The proxy looks for such a conversation on the two replicas its key ranks first (prefix.py, picker.py); a steady rate means proxies disagree on where conversations live (docs/deployment.md).", ("upstream",)),
     MetricDef("llmproxy_upstream_connections", "counter", "Upstream requests by whether they reused a pooled connection.", ("upstream", "reused")),
     MetricDef("llmproxy_upstream_pool_connections", "gauge", "Connections of the proxy's own pool to each upstream now, by state: in_use (lent to a request) or idle (kept for reuse); over llmproxy_upstream_pool_limit, how full the pool is (read at each scrape; with workers, each worker's every second).", ("upstream", "state")),
     MetricDef("llmproxy_upstream_pool_limit", "gauge", "The size of the proxy's pool per upstream, summed over worker processes: --max-connections, else --max-in-flight, else the streams the open files limit holds.", ("upstream",)),
@@ -235,6 +236,8 @@ class ProxyMetrics:
         if t.prefix_predicted_tokens is not None:
             child("llmproxy_prefix_predicted_tokens", upstream).inc(t.prefix_predicted_tokens)
             child("llmproxy_prefix_reported_tokens", upstream).inc(t.cached_prompt_tokens or 0)
+        if t.prefix_stray:
+            child("llmproxy_prefix_strays", upstream).inc()
         if b is None or t.outcome != "ok":
             return
         ex = {"trace_id": trace_id} if trace_id and not self.multiprocess else None

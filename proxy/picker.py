@@ -11,6 +11,18 @@ forecast (forecast.py), its prefix index (prefix.py) and its requests in flight.
   replica's pending work, knows better; moving a long conversation off its cache to spare a short
   queue costs more than the queue.)
 - **Probe.** A replica whose time aside is up gets the request: its verdict brings it back.
+- **Where a conversation lives** (`predicted_ttft`, a prompt of AFFINITY_TOKENS or more; prefix.py's
+  session key, first turn and index). Proxies that share nothing must agree, so each rule is one every
+  proxy can follow from what it sees alone. A conversation's first turn goes to the better scored of
+  the CHOICES replicas its key ranks first by rendezvous hashing (power of two choices: balanced by
+  load, yet in a place any proxy can look), unless another replica alone is CHOICE_SLACK times
+  faster. Past its first turn, a conversation this proxy knows (an index holds it) stays where it
+  lives, whatever the queue there: another proxy's view of the load differs, and a move costs the
+  whole prompt; only the load bound and its health move it. A conversation this proxy has not seen
+  (another proxy's turns, or from before a restart) goes to the replica its key ranks first among
+  those not known to lack it; the engine's report then says whether it lived there (prefix.Use:
+  else that replica is remembered away for it, and the next turn looks on the other), so a proxy
+  new to a conversation sends at most one turn astray (`llmproxy_prefix_strays_total`).
 - **Explore** (`predicted_ttft`). A replica with fewer than MIN_SAMPLES attempts, or none for
   STALE_S seconds, is tried first whatever the prompt's size, and EPSILON of the requests go to
   another replica at random (EPSILON of the conversations, by their key, to their rendezvous replica: every
@@ -28,8 +40,7 @@ forecast (forecast.py), its prefix index (prefix.py) and its requests in flight.
   failures, as Envoy's outlier detection does for its balancer).
 - **Pick.** The lowest score; scores within the forecasts' noise of it (TIE_S, or TIE_SHARE of it)
   are a tie, which the replicas holding the longest prefix of the prompt win. A conversation's tie
-  (a prompt of AFFINITY_TOKENS or more) goes by rendezvous hashing on its session key (prefix.py):
-  proxies that share nothing send its turns to the same replica (the load bound keeps conversations from piling up on one). Any other tie goes
+  goes by rendezvous hashing on its session key (every proxy the same way). Any other tie goes
   to the fewest in flight, then in turn: equal replicas share the requests.
 """
 from __future__ import annotations
@@ -41,7 +52,7 @@ import time
 from typing import TYPE_CHECKING, Sequence
 
 from .forecast import MIN_SAMPLES
-from .prefix import Chain
+from .prefix import Chain, Index
 
 if TYPE_CHECKING:
     from .upstream import Upstream
@@ -51,6 +62,7 @@ EPSILON = 0.05
 TIE_S, TIE_SHARE = 0.010, 0.15
 FLOOR = 0.1  # a score is divided by at least this (a replica failing everything scores ten times its own)
 AFFINITY_TOKENS = 1000  # a shorter prompt costs too little to prefill to be kept anywhere: spread like any other
+CHOICES, CHOICE_SLACK = 2, 1.5  # a conversation's first turn: the better of the two replicas its key ranks first (unless 1.5x slower alone)
 LOAD_BOUND, LOAD_SLACK = 1.25, 2  # no replica takes more than 1.25x its share of the requests in flight plus 2 (while another has less)
 
 
@@ -92,13 +104,19 @@ class Picker:
     def _predicted(self, candidates: list[Upstream], prompt: int, now: float, chain: Chain | None) -> Upstream:
         cap = math.ceil(LOAD_BOUND * (sum(u.in_flight for u in candidates) + 1) / len(candidates)) + LOAD_SLACK
         candidates = [u for u in candidates if u.in_flight < cap] or candidates
+        session = chain.session if chain is not None and chain.total >= AFFINITY_TOKENS else 0
+        if session and chain is not None and chain.opening and not any(u.prefixes.holds(chain) for u in candidates):
+            ahead = [u for u in candidates if session not in u.prefixes.away]  # (a conversation this proxy has not seen)
+            if ahead:
+                return self._rendezvous(ahead, session)
         cached = [u.prefixes.match(chain) if chain is not None else 0 for u in candidates]
         if chain is not None and chain.shared:  # (the agent's system prompt and tools: on every replica once on one)
             shared = min(chain.shared, max(cached))
             cached = [max(c, shared) for c in cached]
         most = max(cached)
         keep = [u for u, c in zip(candidates, cached) if c == most]  # (exploring never throws a cached prefix away)
-        session = chain.session if chain is not None and chain.total >= AFFINITY_TOKENS else 0
+        if session and chain is not None and chain.opening and most > chain.shared:  # (a conversation it knows stays where it lives)
+            candidates, cached = keep, [most] * len(keep)
         fresh = [] if session else [u for u in keep if u.forecast.sent < MIN_SAMPLES or now - u.forecast.last_s > STALE_S]
         if fresh:
             return self._tie(fresh)
@@ -109,6 +127,12 @@ class Picker:
         f = lambda u, c: u.forecast.expect(u.forecast.pending + max(0, prompt - c))  # noqa: E731  (a replica not fitted yet: the prior)
         scored = [(f(u, c) / max(FLOOR, 1 - u.health.share(now)), c, u) for u, c in zip(candidates, cached)]
         best = min(s for s, _, _ in scored)
+        if session and chain is not None and not chain.opening and len(scored) > CHOICES:  # (a conversation's first turn)
+            first = {u.label for u in self._ranked([u for _, _, u in scored], session)[:CHOICES]}
+            alone = [(u.forecast.expect(max(0, prompt - c)), u.label in first) for _, c, u in scored]  # (speed, not load)
+            if min(a for a, top in alone if top) <= CHOICE_SLACK * min(a for a, _ in alone) + TIE_S:
+                scored = [x for x in scored if x[2].label in first]
+                best = min(s for s, _, _ in scored)
         tied = [(c, u) for s, c, u in scored if s <= best + max(TIE_S, TIE_SHARE * best)]
         most = max(c for c, _ in tied)  # (within the noise, the replica holding more of the prompt: a tie never throws a prefix away)
         return self._tie([u for c, u in tied if c == most], session)
@@ -130,8 +154,19 @@ class Picker:
     @staticmethod
     def _rendezvous(group: list[Upstream], session: int) -> Upstream:
         """The replica a conversation's key ranks first among these: the same in every proxy, whatever it has seen."""
+        return Picker._ranked(group, session)[0]
+
+    @staticmethod
+    def _ranked(group: list[Upstream], session: int) -> list[Upstream]:
+        """These replicas as a conversation's key ranks them (rendezvous hashing): the same order in every proxy."""
         key = session.to_bytes(8, "big")
-        return max(group, key=lambda u: hashlib.blake2b(key + u.label.encode(), digest_size=8).digest())
+        return sorted(group, key=lambda u: hashlib.blake2b(key + u.label.encode(), digest_size=8).digest(), reverse=True)
+
+    @staticmethod
+    def rivals(replicas: Sequence[Upstream], upstream: Upstream, chain: Chain) -> tuple[Index, ...]:
+        """The prefix indexes of the replicas a conversation's first turn goes to (the CHOICES its key ranks first), bar
+        `upstream`: where a conversation this proxy has not seen there may live instead (prefix.Use)."""
+        return tuple(u.prefixes for u in Picker._ranked(list(replicas), chain.session)[:CHOICES] if u is not upstream)
 
     def could_serve(self, replicas: Sequence[Upstream], tried: tuple[str, ...], now: float | None = None) -> bool:
         """Whether any of these replicas, bar the tried ones, could take a retry now (nothing chosen or counted)."""

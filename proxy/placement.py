@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from .picker import Picker
 from .prefix import Chain, Use
 from .retry import Attempt
 from .timing import now_ns
@@ -67,10 +68,12 @@ class Placement:
         upstream.in_flight += 1
         f, now, own = upstream.forecast, time.monotonic(), self.prompt
         if self.chain is not None:
-            index = upstream.prefixes
-            ctx.prefix = Use(index, self.chain, index.match(self.chain))
-            own = max(0, own - ctx.prefix.predicted)
-            index.sent(self.chain)
+            index, chain = upstream.prefixes, self.chain
+            predicted = index.match(chain)
+            unseen = chain.opening and predicted <= chain.shared  # (a conversation past its first turn, not seen there)
+            ctx.prefix = Use(index, chain, predicted, Picker.rivals(self.router.replicas(self.rule), upstream, chain) if unseen else ())
+            own = max(0, own - predicted)
+            index.sent(chain)
         ctx.forecast, ctx.forecast_x, ctx.forecast_own = f, f.pending + own, own
         f.pending += own
         f.last_s, f.sent = now, f.sent + 1

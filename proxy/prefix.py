@@ -23,7 +23,10 @@ are left out of a link's text.
 
 `session`: the hash of the chain up to the conversation's first non-system message, the same for every
 turn of one conversation and different across conversations: proxies that share nothing agree on a
-session's replica by rendezvous hashing on it (picker.py) when their predictions tie. What comes before
+session's replica by rendezvous hashing on it (picker.py). `opening`: the tokens of its first turn's
+prompt (before its first answer), which every later turn begins with, so any replica that served the
+conversation holds it: a replica reporting none of it for a conversation this index did not know there
+never had it (`Use.reported`: a stray, and that replica remembered away for the conversation). What comes before
 it (`shared`: the system prompt and the tools) is every session's of one agent: once any replica holds
 it the placement takes every replica to (each serves some session), so that a proxy that happened to send
 it to one replica first does not pull every conversation there.
@@ -44,6 +47,9 @@ TOLERANCE = 256  # tokens: an engine caches whole blocks, the estimate is bytes 
 HEAD_KEYS = ("system", "instructions", "systemInstruction", "system_instruction", "tools", "functions")  # rendered first
 SEQUENCE_KEYS = ("messages", "input", "contents", "prompt")  # then these, in order
 SYSTEM_ROLES = ("system", "developer")
+ANSWER_ROLES = ("assistant", "model")  # (Gemini's)
+ANSWER_TYPES = ("function_call", "reasoning", "custom_tool_call")  # (the Responses API's output items, resent as input)
+AWAY_MAX = 10_000  # conversations remembered as not on a replica, per replica
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +60,8 @@ class Chain:
     tokens: tuple[int, ...]
     session: int  # the conversation's key (0: none)
     shared: int = 0  # tokens before the conversation's first non-system message: the agent's, every session's
+    start: int = 0  # the link of that message: the conversation's own links from it on
+    opening: int = 0  # tokens before the conversation's first answer: its first turn's prompt, which every later one begins with (0: none yet)
 
     @property
     def total(self) -> int:
@@ -86,35 +94,44 @@ def chain(parsed: dict[str, Any] | None) -> Chain | None:
         return None
     hashes: list[int] = []
     tokens: list[int] = []
-    session = shared = 0
+    session = shared = start = opening = total = 0
     digest = hashlib.blake2b(digest_size=8)
     if head:
         data = _text(head)
         digest.update(data)
         hashes.append(int.from_bytes(digest.copy().digest(), "big"))
         tokens.append(len(data) // BYTES_PER_TOKEN)
+        total = tokens[-1]
     for item in items:
         data = _text(item)
         digest.update(b"\x1e")
         digest.update(data)
         hashes.append(int.from_bytes(digest.copy().digest(), "big"))
         tokens.append(len(data) // BYTES_PER_TOKEN)
-        if not session and not (isinstance(item, dict) and item.get("role") in SYSTEM_ROLES):
-            session = hashes[-1]
-            shared = sum(tokens[:-1])
-    return Chain(tuple(hashes), tuple(tokens), session, shared)
+        role = item.get("role") if isinstance(item, dict) else None
+        if not session and role not in SYSTEM_ROLES:
+            session, shared, start = hashes[-1], total, len(hashes) - 1
+        elif session and not opening and (role in ANSWER_ROLES or (isinstance(item, dict) and item.get("type") in ANSWER_TYPES)):
+            opening = total
+        total += tokens[-1]
+    return Chain(tuple(hashes), tuple(tokens), session, shared, start, opening)
 
 
 class Index:
     """One replica's links, least recently sent first, bounded in tokens. On the event loop only."""
 
-    __slots__ = ("capacity", "ceiling", "floor", "links", "held")
+    __slots__ = ("capacity", "ceiling", "floor", "links", "held", "away")
 
     def __init__(self, capacity: int = CAPACITY_TOKENS, floor: int = MIN_CAPACITY) -> None:
         self.capacity = self.ceiling = capacity
         self.floor = floor  # (what a report shrinks it to at least)
         self.links: collections.OrderedDict[int, int] = collections.OrderedDict()  # hash -> its tokens
         self.held = 0
+        self.away: collections.OrderedDict[int, None] = collections.OrderedDict()  # conversations found not here (`Use.reported`)
+
+    def holds(self, prompt: Chain) -> bool:
+        """Whether this replica was sent the prompt's conversation (its first own link), as far as this index knows."""
+        return bool(prompt.session) and prompt.hashes[prompt.start] in self.links
 
     def match(self, prompt: Chain) -> int:
         """Tokens of the longest prefix of the prompt this replica holds."""
@@ -136,7 +153,21 @@ class Index:
             else:
                 links[link] = size
                 self.held += size
+        self.away.pop(prompt.session, None)
         self._trim()
+
+    def lost(self, prompt: Chain) -> None:
+        """The prompt's conversation was not here before this prompt came: its links forgotten (this copy is not where
+        the conversation lives), and the conversation remembered as away from this replica."""
+        links = self.links
+        for link in prompt.hashes[prompt.start:]:
+            size = links.pop(link, None)
+            if size is not None:
+                self.held -= size
+        self.away[prompt.session] = None
+        self.away.move_to_end(prompt.session)
+        if len(self.away) > AWAY_MAX:
+            self.away.popitem(last=False)
 
     def reported(self, predicted: int, cached: int) -> None:
         """The engine reported `cached` tokens of a prompt this index predicted `predicted` of (both estimated). Fewer:
@@ -162,3 +193,20 @@ class Use:
     index: Index
     prompt: Chain
     predicted: int  # estimated tokens predicted cached there
+    rivals: tuple[Index, ...] = ()  # a conversation this index did not know there: where else it may live (picker.py)
+
+    def reported(self, cached: int) -> bool:
+        """The engine reported `cached` (estimated) tokens of the prompt cached: the index corrected by it, and a
+        conversation past its first turn that this index did not know there checked. Holding its first turn's prompt
+        (half of its own part at least): it lives there (another proxy sent it, or this one before a restart), and the
+        index holds it since the send. Less: a stray (True), prefilled whole. While a rival replica may hold it, it
+        lives there, and this copy is not where the next turn should follow (`Index.lost`); with every rival looked
+        at, it lived nowhere a proxy places it (a conversation resumed, its cache evicted): it lives here now."""
+        p = self.prompt
+        self.index.reported(self.predicted, cached)
+        own = p.opening - p.shared
+        if own < TOLERANCE or self.predicted > p.shared or cached >= p.shared + own // 2:
+            return False
+        if any(p.session not in r.away for r in self.rivals):
+            self.index.lost(p)
+        return True

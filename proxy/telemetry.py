@@ -276,7 +276,7 @@ class Telemetry:
         ctx.forecast_x += round(ctx.prompt_estimate * (1 - share)) - ctx.forecast_own
         if use is not None and use.prompt.total:
             t.prefix_predicted_tokens = min(prompt, round(use.predicted * prompt / use.prompt.total))
-            use.index.reported(use.predicted, round(share * use.prompt.total))
+            t.prefix_stray = use.reported(round(share * use.prompt.total))
 
     async def _prompt_count(self, parts: PromptParts) -> tuple[int, float, int]:
         """(tokens, seconds, tokens looked up): only the parts the cache does not know are counted;

@@ -116,6 +116,7 @@ class RequestTiming:
     completion_tokens: int | None = None
     cached_prompt_tokens: int | None = None
     prefix_predicted_tokens: int | None = None  # of those, what the replica's prefix index predicted (prefix.py; None: not checked)
+    prefix_stray: bool = False  # a conversation this proxy had not seen there, and the replica had none of it (prefix.py)
     reasoning_tokens: int | None = None  # as usage reports them (part of completion_tokens)
     prompt_uncounted_parts: int = 0  # prompt parts the tokenizer cannot count (images, audio, files)
     token_source: TokenSource = "usage"

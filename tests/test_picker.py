@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from proxy.forecast import MIN_SAMPLES, Forecast
 from proxy.health import EjectionSpec, Health
 from proxy.picker import STALE_S, Picker, serving
+from proxy.prefix import Chain, Index, Use, chain
 
 NOW = 1000.0
 
@@ -19,6 +20,7 @@ class Replica:
     health: Health = field(default_factory=Health)
     forecast: Forecast = field(default_factory=Forecast)
     in_flight: int = 0
+    prefixes: Index = field(default_factory=Index)
 
 
 def fitted(label: str, seconds_per_token: float, fixed: float = 0.01) -> Replica:
@@ -150,3 +152,83 @@ def test_proxies_that_share_nothing_agree_on_a_conversations_replica():
             out.append(picker.choose("predicted_ttft", replicas, 100, now=NOW, chain=prompt).label)  # type: ignore[union-attr]
         places.append(out)
     assert places[0] == places[1] and len(set(places[0])) == 4
+
+
+def agent_turns(session: int, turns: int) -> list[Chain]:
+    """One agent session's prompts as chains: a system prompt every session shares, each turn the last one's messages,
+    its answer and a new 600-token user message."""
+    messages: list[dict[str, str]] = [{"role": "system", "content": "agent " * 4000}]
+    out = []
+    for turn in range(turns):
+        messages.append({"role": "user", "content": f"session {session} turn {turn} " + "data " * 600})
+        prompt = chain({"messages": list(messages)})
+        assert prompt is not None
+        out.append(prompt)
+        messages.append({"role": "assistant", "content": f"answer {session}.{turn}"})
+    return out
+
+
+def test_a_known_conversation_stays_where_it_lives_whatever_the_queue_there():
+    """Past its first turn, a conversation this proxy knows goes to the replica holding it though that replica's pending
+    work is far longer than a full prefill elsewhere: another proxy's view of the load would differ, and a move costs
+    the whole prompt. (Only the load bound, or its health, moves it.)"""
+    a, b = fitted("a", 0.0002), fitted("b", 0.0002)
+    first, second = agent_turns(0, 2)
+    b.prefixes.sent(first)
+    b.forecast.pending = 50_000  # (10 s of work ahead there, against about 1 s for the whole prompt on a)
+    picker = Picker(random.Random(0))
+    assert {picker.choose("predicted_ttft", [a, b], second.total, now=NOW, chain=second).label for _ in range(50)} == {"b"}  # type: ignore[union-attr]
+    b.in_flight = 8  # past the load bound: a takes it
+    assert picker.choose("predicted_ttft", [a, b], second.total, now=NOW, chain=second).label == "a"  # type: ignore[union-attr]
+
+
+def test_a_first_turn_goes_to_one_of_its_two_ranked_replicas_unless_both_are_slower():
+    """A conversation's first turn: the better of the two replicas its key ranks first (by their load), so that a
+    proxy new to the conversation has two places to look; but not when another replica alone is 1.5x faster."""
+    replicas = [fitted(x, 0.0002) for x in "abcd"]
+    picker, rng, seen = Picker(random.Random(0)), random.Random(1), collections.Counter()
+    for s in range(60):
+        prompt = agent_turns(s, 1)[0]
+        for r in replicas:
+            r.forecast.pending = rng.randrange(0, 20_000)
+        ranked = [r.label for r in Picker._ranked(replicas, prompt.session)]
+        place = picker.choose("predicted_ttft", replicas, prompt.total, now=NOW, chain=prompt)
+        assert place is not None and place.label in ranked[:2]
+        seen[ranked.index(place.label)] += 1
+    assert seen[0] > 10 and seen[1] > 10  # (by load: either of the two)
+    for r in replicas:
+        r.forecast.pending = 0
+    fast = next(r for r in replicas if r.label == ranked[3])
+    fast.forecast = fitted(fast.label, 0.00005).forecast  # four times the others' prefill rate
+    assert picker.choose("predicted_ttft", replicas, prompt.total, now=NOW, chain=prompt) is fast
+
+
+def test_proxies_that_share_nothing_find_a_conversation_within_one_stray_turn():
+    """Two proxies (two pickers, each with its own indexes and its own view of the load), 40 agent sessions of 8 turns
+    on 4 replicas, each turn through one proxy at random; what each engine has cached is the truth its reports come
+    from. A first turn goes where its proxy's view of the load puts it; a proxy new to the conversation sends it astray
+    at most once (to a replica that never had it: remembered away), and every other turn goes where it lives."""
+    rng = random.Random(7)
+    views = [[fitted(x, 0.0002) for x in "abcd"] for _ in range(2)]
+    pickers = [Picker(random.Random(i)) for i in range(2)]
+    engines = {x: Index() for x in "abcd"}  # (each replica's cache: the truth)
+    astray: collections.Counter[int] = collections.Counter()
+    homes: dict[int, str] = {}
+    for s in range(40):
+        for turn, prompt in enumerate(agent_turns(s, 8)):
+            p = rng.randrange(2)
+            for r in views[p]:
+                r.forecast.pending = rng.randrange(0, 20_000)  # (its view of the load: the other proxy's differs)
+            u = pickers[p].choose("predicted_ttft", views[p], prompt.total, now=NOW, chain=prompt)
+            assert u is not None
+            predicted = u.prefixes.match(prompt)  # (as placement.py makes its Use)
+            rivals = Picker.rivals(views[p], u, prompt) if prompt.opening and predicted <= prompt.shared else ()  # type: ignore[arg-type]
+            use = Use(u.prefixes, prompt, predicted, rivals)
+            u.prefixes.sent(prompt)  # type: ignore[attr-defined]
+            cached = engines[u.label].match(prompt)
+            engines[u.label].sent(prompt)
+            use.reported(cached)
+            homes.setdefault(s, u.label)
+            astray[s] += u.label != homes[s]
+    assert max(astray.values()) <= 1 and 5 <= sum(astray.values()) < 40, astray
+    assert len(set(homes.values())) == 4

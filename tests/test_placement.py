@@ -3,7 +3,7 @@ replica stuck after its headers, one that answers 503 at once, one that refuses 
 asks for quiet with a 429, one that fails and recovers, one that breaks after its first tokens, long
 prompts on healthy replicas, a route of one replica, equal replicas with non-streaming requests, and
 every replica slow at once (the retry budget); agent sessions on replicas with prefix caches, through two
-proxies that share nothing; the official openai client on the other side."""
+proxies that share nothing, and resumed through a proxy new to them; the official openai client on the other side."""
 from __future__ import annotations
 
 import collections
@@ -11,6 +11,7 @@ import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 from typing import Any, Iterator
 
 import httpx
@@ -488,6 +489,39 @@ def test_agent_sessions_keep_their_replica_through_two_proxies(fleet, proxy_fact
     proxies[0].wait_records(10)
     last = prefix_tokens(proxies[0], home)
     assert abs((last[0] - now[0]) - (last[1] - now[1])) < 0.05 * (last[1] - now[1]), (now, last)  # right again
+
+
+def test_a_proxy_new_to_a_conversation_finds_its_replica_after_one_stray(fleet, proxy_factory, tmp_path):
+    """A conversation whose first turn went where its key does not rank first (through a proxy that routes to that
+    replica alone), then resumed through a proxy that has never seen it: that proxy looks where the key ranks first,
+    the engine reports none of the conversation cached there (one stray, counted), and from the next turn on the
+    conversation goes where it lives, its first turn served from the cache there."""
+    from proxy.picker import Picker
+    from proxy.prefix import chain
+
+    two = fleet[:2]
+    for each in two:
+        each.configure(prefix_cache_tokens=200_000)
+    system = {"role": "system", "content": "You are a coding agent." + prompt_of(2000)}
+    for session in range(100):  # (one whose key ranks r0 first: its first turn goes to r1)
+        first = chain({"messages": [system, {"role": "user", "content": f"session {session} turn 1:" + prompt_of(800)}]})
+        assert first is not None
+        if Picker._ranked([SimpleNamespace(label="r0"), SimpleNamespace(label="r1")], first.session)[0].label == "r0":  # type: ignore[list-item]
+            break
+    (tmp_path / "one").mkdir()
+    alone = proxy_factory(routes=routes_file(tmp_path / "one", {"r1": f"{two[1].url}/v1"}))
+    new = proxy_factory(routes=routes_file(tmp_path, {f"r{i}": f"{s.url}/v1" for i, s in enumerate(two)}, pick="predicted_ttft"))
+    clients = [openai.OpenAI(base_url=p.v1, api_key="sk-test", max_retries=0) for p in (alone, new)]
+    messages: list[Any] = [system]
+    agent_turn(clients[0], messages, session)
+    assert messages[1]["content"].startswith(f"session {session} turn 1:")  # (the turn the key was computed from)
+    for through in (1, 1, 0, 1):
+        agent_turn(clients[through], messages, session)
+    records = sorted(new.wait_records(3), key=lambda r: r["received_unix_ns"])
+    assert [r["upstream"] for r in records] == ["r0", "r1", "r1"], records
+    assert records[0]["cached_prompt_tokens"] < 100 and records[1]["cached_prompt_tokens"] > 2500, records  # (the first turn's 2,800)
+    sample = new.registry.get_sample_value
+    assert sample("llmproxy_prefix_strays_total", {"upstream": "r0"}) == 1 and not sample("llmproxy_prefix_strays_total", {"upstream": "r1"})
 
 
 def test_the_forecast_is_fitted_on_what_the_engine_prefilled(fleet, proxy_factory, tmp_path):

@@ -2,7 +2,7 @@
 bounded in tokens, what the engine's report corrects, and the session key."""
 from __future__ import annotations
 
-from proxy.prefix import Index, chain
+from proxy.prefix import Chain, Index, Use, chain
 
 SYSTEM = {"role": "system", "content": "You are a coding agent. " * 400}  # ~2,400 tokens estimated
 TOOLS = [{"type": "function", "function": {"name": f"tool_{i}", "parameters": {"type": "object"}}} for i in range(20)]
@@ -62,6 +62,53 @@ def test_the_index_is_an_lru_bounded_in_tokens_and_reports_shrink_it():
     capacity = index.capacity
     index.reported(predicted=1000, cached=1000)  # as predicted: it may hold a little more again
     assert index.capacity > capacity
+
+
+def test_a_conversation_knows_its_first_turn():
+    """`opening`: the tokens of the first turn's prompt (before the first answer), which every later turn begins with;
+    the answers of Gemini (`model`) and of the Responses API (its output items resent as input) count."""
+    requests = [chain(r) for r in turns("a", 3)]
+    assert requests[0].opening == 0 and requests[1].opening == requests[2].opening == requests[0].total
+    assert requests[0].hashes[requests[0].start] == requests[0].session and requests[0].shared == sum(requests[0].tokens[:requests[0].start])
+    gemini = chain({"contents": [{"role": "user", "parts": [{"text": "task " * 300}]}, {"role": "model", "parts": [{"text": "ok"}]},
+                                 {"role": "user", "parts": [{"text": "more"}]}]})
+    responses = chain({"instructions": "be brief", "input": [{"role": "user", "content": "task " * 300},
+                                                             {"type": "function_call", "name": "ls", "arguments": "{}", "call_id": "c"},
+                                                             {"type": "function_call_output", "call_id": "c", "output": "a b"}]})
+    assert gemini is not None and gemini.opening == gemini.tokens[0]
+    assert responses is not None and responses.opening == responses.tokens[0] + responses.tokens[1]
+
+
+def test_a_replica_that_never_had_a_conversation_is_remembered_away():
+    """A conversation past its first turn that this index did not know on the replica it was sent to: if the engine
+    reports nothing of its first turn cached, it is a stray; while a rival replica may hold it, its links are forgotten
+    there and the replica remembered away for it. If it reports the first turn, the conversation lives there (another
+    proxy sent it): held. With every rival away, it lived nowhere: it lives here now. A conversation the index knew
+    that comes back shorter is an eviction, not a stray."""
+    requests = [chain(r) for r in turns("a", 3)]
+    shared, start = requests[0].shared, requests[0].start
+    elsewhere, home, known, last = Index(), Index(), Index(), Index()
+    elsewhere.sent(Chain(requests[0].hashes[:start], requests[0].tokens[:start], 0))  # (the agent's head only: another session's)
+    strays = []
+    for index, cached in ((elsewhere, shared), (home, requests[0].total)):
+        use = Use(index, requests[1], index.match(requests[1]), rivals=(home if index is elsewhere else elsewhere,))
+        assert use.predicted <= shared
+        index.sent(requests[1])
+        strays.append(use.reported(cached))
+    assert strays == [True, False]
+    assert not elsewhere.holds(requests[2]) and requests[2].session in elsewhere.away
+    assert elsewhere.match(requests[2]) == shared  # (the agent's head kept: it is there)
+    assert home.holds(requests[2]) and requests[2].session not in home.away and home.match(requests[2]) == requests[1].total
+    use = Use(last, requests[2], last.match(requests[2]), rivals=(elsewhere,))  # (its one rival already looked at)
+    last.sent(requests[2])
+    assert use.reported(0) and last.holds(requests[2]) and requests[2].session not in last.away  # (lived nowhere: here now)
+    known.sent(requests[1])
+    use = Use(known, requests[2], known.match(requests[2]), rivals=(elsewhere,))
+    known.sent(requests[2])
+    assert not use.reported(shared)  # (evicted: the capacity shrinks, the conversation is not a stray)
+    assert requests[2].session not in known.away and known.capacity < known.ceiling
+    elsewhere.sent(requests[2])  # sent there after all (its home set aside): held again
+    assert elsewhere.holds(requests[2]) and requests[2].session not in elsewhere.away
 
 
 def test_nothing_to_chain():

@@ -87,6 +87,12 @@ def test_every_panel_query_and_rule_returns_data(stack):
     other = drive(stack["proxies"][1], 3.0, concurrency=4, mix=mix)  # the second replica
     assert first.sent + second.sent > 20 and other.sent > 5 and first.failures == second.failures == other.failures == 0
     assert float(prom.query('sum(llmproxy_upstream_ejections_total{upstream="down"})')["result"][0]["value"][1]) >= 1
+    for i in range(3):  # conversations resumed on the second replica, past their first turn, that no engine has: strays
+        history = [{"role": "user", "content": f"resumed {i}: " + "earlier work " * 300}, {"role": "assistant", "content": "done"},
+                   {"role": "user", "content": "and next?"}]
+        httpx.post(f"{stack['proxies'][1]}/v1/chat/completions", json={"model": "sim-7b", "messages": history, "max_tokens": 3},
+                   headers={"Authorization": f"Bearer {KEYS['batch']}"}, timeout=30).raise_for_status()
+    assert "llmproxy_prefix_strays_total{upstream=" in httpx.get(f"{stack['proxies'][1]}/metrics").text
     time.sleep(3)  # two more scrapes, and the recording rules evaluated on them
     empty = []
     queries = list(panel_targets())

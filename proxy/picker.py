@@ -105,18 +105,19 @@ class Picker:
         cap = math.ceil(LOAD_BOUND * (sum(u.in_flight for u in candidates) + 1) / len(candidates)) + LOAD_SLACK
         candidates = [u for u in candidates if u.in_flight < cap] or candidates
         session = chain.session if chain is not None and chain.total >= AFFINITY_TOKENS else 0
-        if session and chain is not None and chain.opening and not any(u.prefixes.holds(chain) for u in candidates):
-            ahead = [u for u in candidates if session not in u.prefixes.away]  # (a conversation this proxy has not seen)
-            if ahead:
-                return self._rendezvous(ahead, session)
         cached = [u.prefixes.match(chain) if chain is not None else 0 for u in candidates]
         if chain is not None and chain.shared:  # (the agent's system prompt and tools: on every replica once on one)
             shared = min(chain.shared, max(cached))
             cached = [max(c, shared) for c in cached]
         most = max(cached)
         keep = [u for u, c in zip(candidates, cached) if c == most]  # (exploring never throws a cached prefix away)
-        if session and chain is not None and chain.opening and most > chain.shared:  # (a conversation it knows stays where it lives)
-            candidates, cached = keep, [most] * len(keep)
+        if session and chain is not None and chain.opening:  # (a conversation past its first turn)
+            if most > chain.shared:  # (one this proxy knows: it stays where it lives)
+                candidates, cached = keep, [most] * len(keep)
+            else:  # (one it has not seen)
+                ahead = [u for u in candidates if session not in u.prefixes.away]
+                if ahead:
+                    return self._rendezvous(ahead, session)
         fresh = [] if session else [u for u in keep if u.forecast.sent < MIN_SAMPLES or now - u.forecast.last_s > STALE_S]
         if fresh:
             return self._tie(fresh)

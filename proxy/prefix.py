@@ -129,10 +129,6 @@ class Index:
         self.held = 0
         self.away: collections.OrderedDict[int, None] = collections.OrderedDict()  # conversations found not here (`Use.reported`)
 
-    def holds(self, prompt: Chain) -> bool:
-        """Whether this replica was sent the prompt's conversation (its first own link), as far as this index knows."""
-        return bool(prompt.session) and prompt.hashes[prompt.start] in self.links
-
     def match(self, prompt: Chain) -> int:
         """Tokens of the longest prefix of the prompt this replica holds."""
         matched, links = 0, self.links

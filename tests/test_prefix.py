@@ -79,6 +79,11 @@ def test_a_conversation_knows_its_first_turn():
     assert responses is not None and responses.opening == responses.tokens[0] + responses.tokens[1]
 
 
+def holds(index: Index, prompt: Chain) -> bool:
+    """Whether the index holds the prompt's conversation (more of it than the agent's shared head)."""
+    return index.match(prompt) > prompt.shared
+
+
 def test_a_replica_that_never_had_a_conversation_is_remembered_away():
     """A conversation past its first turn that this index did not know on the replica it was sent to: if the engine
     reports nothing of its first turn cached, it is a stray; while a rival replica may hold it, its links are forgotten
@@ -96,19 +101,19 @@ def test_a_replica_that_never_had_a_conversation_is_remembered_away():
         index.sent(requests[1])
         strays.append(use.reported(cached))
     assert strays == [True, False]
-    assert not elsewhere.holds(requests[2]) and requests[2].session in elsewhere.away
+    assert not holds(elsewhere, requests[2]) and requests[2].session in elsewhere.away
     assert elsewhere.match(requests[2]) == shared  # (the agent's head kept: it is there)
-    assert home.holds(requests[2]) and requests[2].session not in home.away and home.match(requests[2]) == requests[1].total
+    assert holds(home, requests[2]) and requests[2].session not in home.away and home.match(requests[2]) == requests[1].total
     use = Use(last, requests[2], last.match(requests[2]), rivals=(elsewhere,))  # (its one rival already looked at)
     last.sent(requests[2])
-    assert use.reported(0) and last.holds(requests[2]) and requests[2].session not in last.away  # (lived nowhere: here now)
+    assert use.reported(0) and holds(last, requests[2]) and requests[2].session not in last.away  # (lived nowhere: here now)
     known.sent(requests[1])
     use = Use(known, requests[2], known.match(requests[2]), rivals=(elsewhere,))
     known.sent(requests[2])
     assert not use.reported(shared)  # (evicted: the capacity shrinks, the conversation is not a stray)
     assert requests[2].session not in known.away and known.capacity < known.ceiling
     elsewhere.sent(requests[2])  # sent there after all (its home set aside): held again
-    assert elsewhere.holds(requests[2]) and requests[2].session not in elsewhere.away
+    assert holds(elsewhere, requests[2]) and requests[2].session not in elsewhere.away
 
 
 def test_nothing_to_chain():

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Callable
 
-from .chunk import Chunk, without_engine_fields
+from .chunk import Chunk, Template, learn, without_engine_fields
 from .compression import DecodeError, Decoder
 from .engine import from_llamacpp, from_vllm
 from .errors import RemoteProtocolError
@@ -28,9 +28,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("llmproxy.relay")
 
+LEARNS = 8  # content events a stream's template is learned from, at most
+
 
 class Reader:
-    __slots__ = ("dialect", "ctx", "t", "in_flight", "decoder", "inflate", "injected", "strip", "done")
+    __slots__ = ("dialect", "ctx", "t", "in_flight", "decoder", "inflate", "injected", "strip", "done", "template", "learns")
 
     def __init__(self, dialect: Dialect, ctx: RequestContext, in_flight: Callable[[], int], decoder: Framer | None,
                  inflate: Decoder | None, injected: bool, strip: bool) -> None:
@@ -38,6 +40,8 @@ class Reader:
         self.decoder, self.inflate = decoder, inflate  # decoder None: not framed (or no longer)
         self.injected, self.strip = injected, strip
         self.done = False  # the API's end-of-stream (or error) event went by: a client leaving now has had everything
+        self.template: Template | None = None  # the stream's content event, read without its JSON (chunk.py)
+        self.learns = 0
 
     def feed(self, chunk: bytes, now: int) -> None:
         """A read already forwarded: note what it meant."""
@@ -95,7 +99,13 @@ class Reader:
         """Record what an event means for timing; returns the parsed chunk (None: no data)."""
         if data is None:
             return None
-        chunk = self.dialect.event(data)
+        template = self.template
+        chunk = template.match(data) if template is not None else None
+        if chunk is None:
+            chunk = self.dialect.event(data)
+            if chunk.texts and self.learns < LEARNS:  # (a server that changes more than the text: a few tries, then none)
+                self.learns += 1
+                self.template = learn(data, chunk, self.dialect.event) or template
         t = self.t
         if chunk.texts and not t.content_ns:  # decode starts: how many requests share the engine now
             t.in_flight_at_decode = self.in_flight()

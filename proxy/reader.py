@@ -32,7 +32,8 @@ LEARNS = 8  # content events a stream's template is learned from, at most
 
 
 class Reader:
-    __slots__ = ("dialect", "ctx", "t", "in_flight", "decoder", "inflate", "injected", "strip", "done", "template", "learns")
+    __slots__ = ("dialect", "ctx", "t", "in_flight", "decoder", "inflate", "injected", "strip", "done", "template", "learns", "stamps", "choices",
+                 "texts")
 
     def __init__(self, dialect: Dialect, ctx: RequestContext, in_flight: Callable[[], int], decoder: Framer | None,
                  inflate: Decoder | None, injected: bool, strip: bool) -> None:
@@ -42,6 +43,8 @@ class Reader:
         self.done = False  # the API's end-of-stream (or error) event went by: a client leaving now has had everything
         self.template: Template | None = None  # the stream's content event, read without its JSON (chunk.py)
         self.learns = 0
+        t = self.t  # (its lists, held here: an attribute of the record is a lookup per chunk)
+        self.stamps, self.choices, self.texts = t.content_ns, t.content_choice, t.chunk_text
 
     def feed(self, chunk: bytes, now: int) -> None:
         """A read already forwarded: note what it meant."""
@@ -107,12 +110,14 @@ class Reader:
                 self.learns += 1
                 self.template = learn(data, chunk, self.dialect.event) or template
         t = self.t
-        if chunk.texts and not t.content_ns:  # decode starts: how many requests share the engine now
-            t.in_flight_at_decode = self.in_flight()
-        for index, text in chunk.texts:
-            t.content_ns.append(now)
-            t.content_choice.append(index)
-            t.chunk_text.append(text)
+        if chunk.texts:
+            stamps = self.stamps
+            if not stamps:  # decode starts: how many requests share the engine now
+                t.in_flight_at_decode = self.in_flight()
+            for index, text in chunk.texts:
+                stamps.append(now)
+                self.choices.append(index)
+                self.texts.append(text)
         if chunk.reasoning:
             t.reasoning_streamed = True
         if chunk.hidden:

@@ -24,6 +24,7 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from .config import Settings
+from .pump import BodyWriter
 from .timing import STAMPS, now_ns
 
 HEADER_TIMEOUT_ENV = "LLMPROXY_HEADER_TIMEOUT"
@@ -96,32 +97,6 @@ class GuardedHttpTools(HttpToolsProtocol):
         if self._header_timer is not None:
             self._header_timer.cancel()
         super().connection_lost(exc)
-
-
-class BodyWriter:
-    """A streamed response's body pieces written straight to the client's transport, HTTP/1.1 chunked
-    framing as uvicorn's ASGI send writes it, for the relay's fast way (pump.py): one write per piece,
-    no coroutine. `ready` says whether a piece may go now: the client is taking bytes (uvicorn's flow
-    control is not paused), the response is chunked and still open, the client still there; when it
-    is not, the relay uses the ASGI send, which waits for the client."""
-
-    __slots__ = ("protocol", "cycle", "transport")
-
-    def __init__(self, protocol: GuardedHttpTools, cycle: Any) -> None:
-        self.protocol, self.cycle, self.transport = protocol, cycle, protocol.transport
-
-    @property
-    def chunked(self) -> bool:
-        """(Known once the response head went out.)"""
-        cycle = self.cycle
-        return bool(cycle.response_started and cycle.chunked_encoding and cycle.scope["method"] != "HEAD")
-
-    def ready(self) -> bool:
-        cycle = self.cycle
-        return not (self.protocol.flow.write_paused or cycle.disconnected or cycle.response_complete or self.transport.is_closing())
-
-    def write(self, body: bytes) -> None:
-        self.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
 
 
 GuardedHttpTools.header_timeout = float(os.environ.get(HEADER_TIMEOUT_ENV, GuardedHttpTools.header_timeout))

@@ -41,7 +41,7 @@ def _whole(chunk: bytes) -> list[Event]:
     events = []
     for block in chunk[:-2].split(b"\n\n"):
         raw = block + b"\n\n"
-        if block[:6] == b"data: " and b"\n" not in block:  # one data line: most events of every API
+        if block[:6] == b"data: " and block.find(b"\n") == -1:  # one data line: most events of every API
             events.append(Event(raw, block[6:]))
             continue
         data = []
@@ -72,7 +72,9 @@ class SSEDecoder:
         Its data, or None (then `feed` frames it): the same event `feed` would find, without
         building it."""
         if (not self._pending and chunk.startswith(b"data: ") and chunk.find(b"\n") == len(chunk) - 2 and chunk.endswith(b"\n")
-                and b"\r" not in chunk):
+                and chunk.find(b"\r") == -1):
+            # (`find`, not `in`: CPython's bytes `in` first tries its operand as an integer, and
+            # builds and clears a TypeError each time: half the cost of this test per event.)
             return chunk[6:-2]
         return None
 
@@ -81,7 +83,7 @@ class SSEDecoder:
         if not pending:
             if (data := self.one(chunk)) is not None:
                 return [Event(chunk, data)]
-            if chunk[-2:] == b"\n\n" and b"\r" not in chunk and b"\n\n\n" not in chunk and chunk[:1] != b"\n":
+            if chunk[-2:] == b"\n\n" and chunk.find(b"\r") == -1 and chunk.find(b"\n\n\n") == -1 and chunk[:1] != b"\n":
                 return _whole(chunk)  # whole LF-terminated events, nothing held
         if pending:
             pending += chunk

@@ -147,6 +147,18 @@ class Exchange:
                 if self.response is not None:
                     self.place.upstream.release(self.response)  # mid-body: aborts the connection (so vLLM stops) and frees its read-ahead
             app.telemetry.finish(self.ctx)
+            self._let_go()
+
+    def _let_go(self) -> None:
+        """The request is over. What it built refers back to itself: the reply's callbacks are this
+        exchange's methods, the pump's the reply's, and the body writer, kept in the scope of the
+        server's cycle, holds that cycle. Those links are cut here, so that reference counting frees
+        it all at once; left to the garbage collector, 40-odd objects a request were what its
+        young collections walked (their CPU, and their pauses on every stream)."""
+        if self.reply is not None:
+            self.reply.pump = None
+        self.reply = self.response = None
+        self.stamps.pop("writer", None)
 
     async def _watch(self, task: asyncio.Task[Any]) -> None:
         while True:
@@ -223,6 +235,8 @@ class Exchange:
                 if self.reply is not None and self.reply.pump is not None:
                     self.reply.pump.discard()
                 self.place.fail_over(why.reason, self.response)
+                if self.reply is not None:
+                    self.reply.pump = None  # (it and the reply refer to each other)
                 self.response = self.reply = None
                 self.failing_over = ""
 

@@ -12,9 +12,10 @@ import importlib
 import importlib.machinery
 from pathlib import Path
 
-# The modules a relayed chunk runs through. apis.azure subclasses OpenAI (an interpreted class
-# cannot inherit from a compiled one).
-HOT_MODULES = ("connection", "pump", "reader", "sse", "framing", "chunk", "apis.openai", "apis.azure")
+# The modules a relayed chunk runs through, and the record it is noted on (timing: RequestTiming, read
+# and written per chunk, and the split at the finish; context: the stored record). apis.azure subclasses
+# OpenAI (an interpreted class cannot inherit from a compiled one).
+HOT_MODULES = ("connection", "pump", "reader", "sse", "framing", "chunk", "timing", "context", "apis.openai", "apis.azure")
 PACKAGE = Path(__file__).resolve().parent
 
 

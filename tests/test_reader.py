@@ -137,3 +137,11 @@ def test_learning_refuses_what_it_cannot_prove():
     assert learn(both, openai.event(both), openai.event) is None
     template = learn(vllm("ok"), openai.event(vllm("ok")), openai.event)
     assert template is not None and said(template.match(vllm(" fine"))) == said(openai.event(vllm(" fine")))
+
+
+def test_two_choices_interleaved_read_the_same():
+    """n=2: the choices' events alternate, so one template misses every other event (parsed, as before) and
+    a stream stops learning after a few; every event still reads as the dialect reads it."""
+    events = [orjson.dumps({"id": "c", "choices": [{"index": n % 2, "delta": {"content": w}}]}) for n, w in enumerate(WORDS * 4)]
+    reader, counting = read("openai", events)
+    assert reader.learns == 8 and counting.parsed(events) >= len(events) // 2

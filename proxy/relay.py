@@ -155,10 +155,14 @@ class Exchange:
         server's cycle, holds that cycle. Those links are cut here, so that reference counting frees
         it all at once; left to the garbage collector, 40-odd objects a request were what its
         young collections walked (their CPU, and their pauses on every stream)."""
+        self._drop_reply()
+        self.stamps.pop("writer", None)
+
+    def _drop_reply(self) -> None:
+        """The attempt's reply and response let go of (its pump and the reply refer to each other)."""
         if self.reply is not None:
             self.reply.pump = None
-        self.reply = self.response = None
-        self.stamps.pop("writer", None)
+        self.response = self.reply = None
 
     async def _watch(self, task: asyncio.Task[Any]) -> None:
         while True:
@@ -235,9 +239,7 @@ class Exchange:
                 if self.reply is not None and self.reply.pump is not None:
                     self.reply.pump.discard()
                 self.place.fail_over(why.reason, self.response)
-                if self.reply is not None:
-                    self.reply.pump = None  # (it and the reply refer to each other)
-                self.response = self.reply = None
+                self._drop_reply()
                 self.failing_over = ""
 
     def _may_retry(self) -> bool:

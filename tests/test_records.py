@@ -314,3 +314,58 @@ def test_the_outbox_sleeps_while_idle_and_wakes_for_a_record(tmp_path):
         assert not errors
     finally:
         outbox.close()
+
+
+def test_a_stopped_writer_process_never_holds_up_a_request_nor_grows_the_serving_process(tmp_path):
+    """With the writer process stopped (SIGSTOP: a hung store driver, a frozen container) the pipe fills and the
+    sender thread waits on it: `add`, on the request's side, never does, and what the serving process queues meanwhile
+    is capped as the writer's own buffer is (the oldest dropped, counted; it once grew without bound); resumed, every
+    record not dropped is stored, whole."""
+    import os
+    import signal
+
+    from proxy.records.outbox import Outbox
+
+    path = str(tmp_path / "records.sqlite")
+    drops: list[tuple[str, int]] = []
+    outbox = Outbox(path, {}, "test", 300, 64 << 20, lambda: None, lambda reason, n: drops.append((reason, n)))
+    try:
+        def rec(i: int, pad: int = 0) -> dict:
+            return {"endpoint": "chat", "stream": True, "outcome": "ok", "model": f"m{i}", "upstream": "u", "api": "openai",
+                    "received_unix_ns": time.time_ns(), "duration_s": 0.1, "error": "x" * pad}
+
+        def stored() -> int:
+            try:
+                return len(outbox.recent(1000, Filters()))
+            except sqlite3.Error:
+                return 0
+
+        for i in range(6):
+            outbox.add(rec(i))
+        assert until(lambda: stored() == 6)
+
+        os.kill(outbox._process.pid, signal.SIGSTOP)
+        try:
+            slowest = 0.0
+            for i in range(6, 406):  # 400 records: more than the pipe holds, more than the queue's cap of 300
+                if i < 16:
+                    time.sleep(0.012)  # (each its own message, 100 KB: the pipe fills part-way through one)
+                began = time.perf_counter()
+                outbox.add(rec(i, pad=100_000 if i < 16 else 8000))
+                slowest = max(slowest, time.perf_counter() - began)
+            assert slowest < 0.5, slowest  # never blocked on the pipe (a blocking write would wait for the SIGCONT)
+            dropped = sum(n for reason, n in drops if reason == "buffer_full")
+            assert dropped > 0  # the queue held at most 300 while the pipe was full
+        finally:
+            os.kill(outbox._process.pid, signal.SIGCONT)
+        outbox.flush(10.0)
+
+        def accounted() -> bool:  # (the writer process's buffer has the same cap: it drops and reports too)
+            return stored() + sum(n for reason, n in drops if reason == "buffer_full") == 406
+
+        assert until(accounted, timeout=15.0), (stored(), drops)
+        assert all(reason == "buffer_full" for reason, _ in drops)
+        models = {orjson.loads(r)["model"] for r in outbox.recent(1000, Filters())}
+        assert "m405" in models  # the newest kept, whole: no message was cut short on the pipe
+    finally:
+        outbox.close()

@@ -122,6 +122,9 @@ class Outbox:
             return
         queue = self._queue
         queue.append(item)
+        if len(queue) > self.limits[0]:  # (a writer process that stopped reading: the oldest go, counted, as in its own buffer)
+            queue.popleft()
+            self.on_drop("buffer_full", 1)
         if len(queue) == 1:  # (it was empty: once per batch, not per record; a drain that took it already is harmless)
             self._wake.set()
 

@@ -49,6 +49,7 @@ SEQUENCE_KEYS = ("messages", "input", "contents", "prompt")  # then these, in or
 SYSTEM_ROLES = ("system", "developer")
 ANSWER_ROLES = ("assistant", "model")  # (Gemini's)
 ANSWER_TYPES = ("function_call", "reasoning", "custom_tool_call")  # (the Responses API's output items, resent as input)
+LONG_TEXT = 2048  # characters: a text this long is hashed as it is, not as JSON (`_text`)
 AWAY_MAX = 10_000  # conversations remembered as not on a replica, per replica
 
 
@@ -69,10 +70,27 @@ class Chain:
 
 
 def _text(value: Any) -> bytes:
+    """A link's bytes: its JSON; or, holding a long text (a plain message {role, content}, or the head with the
+    instructions or system prompt), its pieces length-prefixed behind a tag no JSON begins with, the texts as they
+    are: JSON's escaping of an agent's 170 KB system prompt took 113 µs, encoding it takes 10 (anything short is
+    dumped: 0.3 µs a message, against 1.5 this way)."""
+    if type(value) is dict:
+        content = value.get("content")
+        if type(content) is str and len(content) > LONG_TEXT and all(type(v) is str for v in value.values()):
+            return _framed(b"\x00", [b"s" + text.encode("utf-8", "surrogatepass") for pair in value.items() for text in pair])
+    elif type(value) is list and any(type(v) is str and len(v) > LONG_TEXT for v in value):
+        return _framed(b"\x01", [b"s" + v.encode("utf-8", "surrogatepass") if type(v) is str else b"j" + orjson.dumps(v) for v in value])
     data = orjson.dumps(value)
     if b"cache_control" in data and isinstance(value, dict):  # (not rendered by an engine: it moves every turn)
         data = orjson.dumps(_without_cache_control(value))
     return data
+
+
+def _framed(tag: bytes, pieces: list[bytes]) -> bytes:
+    out = [tag]
+    for piece in pieces:
+        out += (len(piece).to_bytes(4, "big"), piece)
+    return b"".join(out)
 
 
 def _without_cache_control(value: Any) -> Any:
@@ -95,18 +113,18 @@ def chain(parsed: dict[str, Any] | None) -> Chain | None:
     hashes: list[int] = []
     tokens: list[int] = []
     session = shared = start = opening = total = 0
-    digest = hashlib.blake2b(digest_size=8)
+    digest = hashlib.sha256()  # (SHA-NI: twice blake2b's speed here, 133 against 261 µs for an agent's 208 KB)
     if head:
         data = _text(head)
         digest.update(data)
-        hashes.append(int.from_bytes(digest.copy().digest(), "big"))
+        hashes.append(int.from_bytes(digest.copy().digest()[:8], "big"))
         tokens.append(len(data) // BYTES_PER_TOKEN)
         total = tokens[-1]
     for item in items:
         data = _text(item)
         digest.update(b"\x1e")
         digest.update(data)
-        hashes.append(int.from_bytes(digest.copy().digest(), "big"))
+        hashes.append(int.from_bytes(digest.copy().digest()[:8], "big"))
         tokens.append(len(data) // BYTES_PER_TOKEN)
         role = item.get("role") if isinstance(item, dict) else None
         if not session and role not in SYSTEM_ROLES:

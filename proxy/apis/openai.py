@@ -269,6 +269,7 @@ def _responses_parts(parts: Parts, body: dict[str, Any]) -> PromptParts:
 
 
 USAGE_OPTION = b'"stream_options":{"include_usage":true}'
+_SPACE = re.compile(rb"[ \t\r\n]*")  # JSON's whitespace
 _LONG_NUMBER = re.compile(rb"\d{16,}")  # digits a double cannot hold: re-serialising would change them
 
 
@@ -286,8 +287,9 @@ def usage_injected_body(parsed: dict[str, Any], raw: bytes) -> bytes | None:
         body = raw.lstrip()
         if body[:1] != b"{" or "stream_options" in parsed:
             return None
-        rest = body[1:].lstrip()
-        return b"{" + USAGE_OPTION + (b"" if rest[:1] == b"}" else b",") + body[1:]
+        first = _SPACE.match(body, 1).end()  # type: ignore[union-attr]  # (always matches; the body is not copied to find it)
+        # (one copy of the body, not three: an agent's is 200 KB; an empty object takes no comma)
+        return b"".join((b"{", USAGE_OPTION, b"" if body[first:first + 1] == b"}" else b",", memoryview(body)[1:]))
     if not isinstance(options, dict) or options.get("include_usage") or options.get("continuous_usage_stats") or _LONG_NUMBER.search(raw):
         return None
     try:

@@ -77,19 +77,21 @@ def _text(value: Any) -> bytes:
     if type(value) is dict:
         content = value.get("content")
         if type(content) is str and len(content) > LONG_TEXT and all(type(v) is str for v in value.values()):
-            return _framed(b"\x00", [b"s" + text.encode("utf-8", "surrogatepass") for pair in value.items() for text in pair])
+            return _framed(b"\x00", [(b"s", text.encode("utf-8", "surrogatepass")) for pair in value.items() if pair[0] != "cache_control"
+                                     for text in pair])
     elif type(value) is list and any(type(v) is str and len(v) > LONG_TEXT for v in value):
-        return _framed(b"\x01", [b"s" + v.encode("utf-8", "surrogatepass") if type(v) is str else b"j" + orjson.dumps(v) for v in value])
+        return _framed(b"\x01", [(b"s", v.encode("utf-8", "surrogatepass")) if type(v) is str else (b"j", orjson.dumps(v)) for v in value])
     data = orjson.dumps(value)
     if b"cache_control" in data and isinstance(value, dict):  # (not rendered by an engine: it moves every turn)
         data = orjson.dumps(_without_cache_control(value))
     return data
 
 
-def _framed(tag: bytes, pieces: list[bytes]) -> bytes:
+def _framed(tag: bytes, pieces: list[tuple[bytes, bytes]]) -> bytes:
+    """Each piece as its kind (s: a text, j: JSON), its length, its bytes: no two lists of pieces give the same bytes."""
     out = [tag]
-    for piece in pieces:
-        out += (len(piece).to_bytes(4, "big"), piece)
+    for kind, piece in pieces:
+        out += (kind, len(piece).to_bytes(4, "big"), piece)
     return b"".join(out)
 
 

@@ -57,7 +57,10 @@ def test_only_what_is_new_is_tokenized_and_the_counts_and_figure_stay_true(proxy
             assert mine[0]["tokenize_looked_up_tokens"] > 6_000
         assert all(r["tokenize_looked_up_tokens"] > 8_000 for r in mine[1:])  # then only the new messages were tokenized
         first, last = mine[0]["tokenize_prompt_s"], mine[-1]["tokenize_prompt_s"]
-        assert 0.7 * first <= last <= 1.3 * first, (api, first, last)  # the figure: still the whole prompt's
+        # The figure: still the whole prompt's (its looked-up tokens at the learned rate), not its few new tokens' (under
+        # 0.1x). The rate is learned over the process's counts, prose and JSON alike, in CPU time on a shared 2-core
+        # machine: 0.7-1.3x once read 1.32x (a clean-clone run), so the bound is the figure's meaning, not its noise.
+        assert 0.5 * first <= last <= 2.0 * first, (api, first, last)
     hits = proxy.sample("llmproxy_token_cache_lookups_total", {"result": "hit"})
     misses = proxy.sample("llmproxy_token_cache_lookups_total", {"result": "miss"})
     assert hits > misses > 0 and proxy.sample("llmproxy_token_cache_bytes", {}) >= 40_000

@@ -176,3 +176,5 @@ def test_a_long_message_is_told_apart_by_every_character_and_key():
              {"instructions": text, "tools": [{"name": "u"}]}, {"system": text}, {"instructions": text + "x" * 10}]
     assert len({head(h) for h in heads}) == len(heads) - 1  # (instructions and system are the same head: both the system prompt)
     assert head({"instructions": text, "tools": [{"name": "t"}]}) == head(heads[2])
+    # An engine does not render cache_control, whatever its value: a long message with one hashes as without.
+    assert first({"role": "system", "content": text, "cache_control": "ephemeral"}) == first(variants[0])

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import time
-from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Any, Callable, Container, Iterable
 
@@ -20,6 +19,7 @@ from .records import DROP_REASONS
 from .slo import BEFORE_FIRST_TOKEN, FAILED, Verdict
 from .health import EJECT_REASONS, STATES
 from .labels import ModelLabels
+from .series import Series, observe_many
 from .timing import PHASES, Breakdown, RequestTiming, failover_shares
 
 BASE = ("model", "upstream", "endpoint", "stream")
@@ -105,34 +105,6 @@ METRICS: tuple[MetricDef, ...] = (
 TENANT_POSITION = {d.name: d.labels.index("tenant") for d in METRICS if "tenant" in d.labels}  # where each family's tenant label is
 
 
-def observe_many(child: Any, values: list[float], bounds: tuple[float, ...] = ()) -> None:
-    """Observe a request's inter-token gaps (often hundreds) with one increment per bucket used
-    (histograms) or one for the count and one for the sum (summaries).
-
-    Equivalent to calling `observe` for each value, without a lock round-trip per value; falls
-    back to that if prometheus_client's children ever stop looking like 0.2x's.
-    """
-    if not values:
-        return
-    buckets, total = getattr(child, "_buckets", None), getattr(child, "_sum", None)
-    count = getattr(child, "_count", None)
-    if not bounds and count is not None and total is not None:
-        count.inc(len(values))
-        total.inc(sum(values))
-        return
-    if buckets is None or total is None or len(buckets) != len(bounds) + 1 or len(values) < 8:
-        for value in values:
-            child.observe(value)
-        return
-    counts = [0] * len(buckets)
-    for value in values:
-        counts[bisect_left(bounds, value)] += 1
-    for index, n in enumerate(counts):
-        if n:
-            buckets[index].inc(n)
-    total.inc(sum(values))
-
-
 class ProxyMetrics:
     """Children are created on first use, per label set: a label set that never observed a value
     (an engine-only summary for an upstream that reports no engine timings, TTFT for a
@@ -162,6 +134,7 @@ class ProxyMetrics:
             else:
                 self.m[d.name] = Histogram(d.name, d.doc, d.labels, registry=registry, buckets=d.buckets)
         self._bound: dict[tuple[str, ...], Any] = {}
+        self._series: dict[tuple[str, tuple[str, ...]], Series] = {}  # (model, its label set): a request's children (series.py)
         for component in COMPONENTS:
             self.m["llmproxy_telemetry_errors"].labels(component)
         for reason in DROP_REASONS:
@@ -205,8 +178,10 @@ class ProxyMetrics:
         tenant = self.tenant_label(t.tenant)
         self._tenant_seen[tenant] = time.monotonic()
         tenanted = self.models.label_set(model, upstream, t.endpoint, stream, tenant)
-        key = tenanted[:4]
-        child("llmproxy_requests", *tenanted, t.api, t.outcome, str(t.status_code)).inc()
+        series = self._series.get((model, tenanted))
+        if series is None:
+            series = self._series[(model, tenanted)] = Series(child, tenanted, model, not self.multiprocess)
+        series.count("llmproxy_requests", t.api, t.outcome, str(t.status_code))(1)
         if t.unmeasured:
             child("llmproxy_unmeasured_requests", upstream, t.unmeasured).inc()
         if t.outcome == "overloaded":
@@ -222,13 +197,13 @@ class ProxyMetrics:
         for step, seconds in (b.connect.items() if b is not None else ()):
             child("llmproxy_upstream_connect_seconds", upstream, step).observe(seconds)
         if t.rtt_s is not None:
-            child("llmproxy_upstream_rtt_seconds", upstream).observe(t.rtt_s)
+            series.observe("llmproxy_upstream_rtt_seconds")(t.rtt_s)
         if t.reused is not None:
-            child("llmproxy_upstream_connections", upstream, "true" if t.reused else "false").inc()
+            series.count("llmproxy_upstream_connections", "true" if t.reused else "false")(1)
         if t.tokenize_prompt_s is not None:
-            child("llmproxy_tokenize_seconds", model, "prompt").observe(t.tokenize_prompt_s)
+            series.observe("llmproxy_tokenize_seconds", "prompt")(t.tokenize_prompt_s)
         if t.tokenize_completion_s is not None:
-            child("llmproxy_tokenize_seconds", model, "completion").observe(t.tokenize_completion_s)
+            series.observe("llmproxy_tokenize_seconds", "completion")(t.tokenize_completion_s)
         for kind, count in (("prompt", t.prompt_tokens), ("completion", t.completion_tokens),
                             ("cached_prompt", t.cached_prompt_tokens), ("reasoning", t.hidden_reasoning_tokens)):
             if count:
@@ -240,29 +215,36 @@ class ProxyMetrics:
             child("llmproxy_prefix_strays", upstream).inc()
         if b is None or t.outcome != "ok":
             return
-        ex = {"trace_id": trace_id} if trace_id and not self.multiprocess else None
-        child("llmproxy_request_duration_seconds", *tenanted).observe(b.e2e_s, ex)
-        if b.ttft_s is not None:  # (the serving replica's own: the phase failover is the abandoned replicas', above)
-            child("llmproxy_time_to_first_token_seconds", *tenanted).observe(b.ttft_s - b.phases.get("failover", 0.0), ex)
-        if b.prefill_tokens_per_second is not None:
-            child("llmproxy_prefill_tokens_per_second", *key).observe(b.prefill_tokens_per_second)
-        if t.unmeasured != "client_backpressure":  # (its decode stamps may be the client's pace, not the engine's)
-            if b.decode_tokens_per_second is not None:
+        if trace_id and not self.multiprocess:  # (an exemplar: through the library, which validates it)
+            ex = {"trace_id": trace_id}
+            child("llmproxy_request_duration_seconds", *tenanted).observe(b.e2e_s, ex)
+            if b.ttft_s is not None:
+                child("llmproxy_time_to_first_token_seconds", *tenanted).observe(b.ttft_s - b.phases.get("failover", 0.0), ex)
+            if b.decode_tokens_per_second is not None and t.unmeasured != "client_backpressure":
                 child("llmproxy_decode_tokens_per_second", *tenanted).observe(b.decode_tokens_per_second, ex)
+        else:
+            series.observe("llmproxy_request_duration_seconds")(b.e2e_s)
+            if b.ttft_s is not None:  # (the serving replica's own: the phase failover is the abandoned replicas', above)
+                series.observe("llmproxy_time_to_first_token_seconds")(b.ttft_s - b.phases.get("failover", 0.0))
+            if b.decode_tokens_per_second is not None and t.unmeasured != "client_backpressure":
+                series.observe("llmproxy_decode_tokens_per_second")(b.decode_tokens_per_second)
+        if b.prefill_tokens_per_second is not None:
+            series.observe("llmproxy_prefill_tokens_per_second")(b.prefill_tokens_per_second)
+        if t.unmeasured != "client_backpressure":  # (its decode stamps may be the client's pace, not the engine's)
             if b.inter_chunk_s:
-                observe_many(child("llmproxy_inter_chunk_latency_seconds", *key), b.inter_chunk_s)
+                observe_many(series.many("llmproxy_inter_chunk_latency_seconds"), b.inter_chunk_s)
             if b.inter_token_s:
-                observe_many(child("llmproxy_inter_token_latency_seconds", *key), b.inter_token_s, GAP_BUCKETS)
+                observe_many(series.many("llmproxy_inter_token_latency_seconds"), b.inter_token_s, GAP_BUCKETS)
         engine = t.engine
         if engine is not None:
             if engine.prompt_s is not None:
-                child("llmproxy_engine_prefill_seconds", *key).observe(engine.prompt_s)
+                series.observe("llmproxy_engine_prefill_seconds")(engine.prompt_s)
             if engine.per_token_s is not None:
-                child("llmproxy_engine_time_per_output_token_seconds", *key).observe(engine.per_token_s)
+                series.observe("llmproxy_engine_time_per_output_token_seconds")(engine.per_token_s)
         for phase, seconds in b.phases.items():
             if phase != "failover":
-                child("llmproxy_phase_seconds", *key, phase).inc(max(0.0, seconds))
-        child("llmproxy_proxy_overhead_seconds", upstream, t.endpoint, stream).observe(b.phases.get("proxy", 0.0))
+                series.count("llmproxy_phase_seconds", phase)(max(0.0, seconds))
+        series.observe("llmproxy_proxy_overhead_seconds")(b.phases.get("proxy", 0.0))
 
     def observe_slo(self, verdict: Verdict, model: str, upstream: str, tenant: str = "unknown") -> None:
         """A judged request: good or bad, and each miss with its blame. A (slo, model, upstream, tenant)
@@ -287,6 +269,7 @@ class ProxyMetrics:
             if key[0] in names and gone(key):
                 self.m[key[0]].remove(*key[1:])
                 del self._bound[key]
+                self._series.clear()  # (they may hold it: made again at their next request)
 
     def slo_targets(self, targets: dict[str, float]) -> None:
         """The objectives in force (start-up and each reload): a removed objective's gauge goes."""

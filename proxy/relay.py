@@ -112,7 +112,7 @@ class Exchange:
                     t.admitted_ns = now_ns()
             admitted = True
             check_request(self.scope, app.client_keys)
-            body = await read_body(self.scope, self.receive, app.settings)
+            body = await read_body(self.scope, self.receive, app.settings, complete=bool(self.stamps["body_end_ns"]))
             t.body_end_ns = self.stamps["body_end_ns"] or now_ns()  # its last byte read off the socket
             watcher = asyncio.create_task(self._watch(task))
             await self._relay(body)

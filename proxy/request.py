@@ -59,28 +59,35 @@ def query_key(query: bytes) -> str:
     return next((v for k, v in parse_qsl(query.decode("latin-1")) if k == "key"), "")
 
 
-async def read_body(scope: Scope, receive: Receive, settings: Settings) -> bytes:
-    """The whole request body, bounded in size (413) and in time (408)."""
+async def read_body(scope: Scope, receive: Receive, settings: Settings, complete: bool = False) -> bytes:
+    """The whole request body, bounded in size (413) and in time (408). `complete`: the server's protocol
+    read its last byte before this ran (server.py's stamps), so `receive` cannot wait, and no timer is set."""
     limit = settings.max_body_bytes
     declared = header(scope["headers"], b"content-length", b"0")
     if declared.isdigit() and int(declared) > limit:
         raise BodyTooLarge(f"request body is {int(declared)} bytes; the limit is {limit}")
-    parts, size = [], 0
+    if complete:
+        return await _received(receive, limit)
     try:
         async with asyncio.timeout(settings.body_timeout):
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    raise ClientGone()
-                part = message.get("body", b"")
-                size += len(part)
-                if size > limit:
-                    raise BodyTooLarge(f"request body exceeds the limit of {limit} bytes")
-                parts.append(part)
-                if not message.get("more_body"):
-                    return b"".join(parts)
+            return await _received(receive, limit)
     except TimeoutError:
         raise BodyTimeout(f"the request body took longer than {settings.body_timeout} s to arrive") from None
+
+
+async def _received(receive: Receive, limit: int) -> bytes:
+    parts, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone()
+        part = message.get("body", b"")
+        size += len(part)
+        if size > limit:
+            raise BodyTooLarge(f"request body exceeds the limit of {limit} bytes")
+        parts.append(part)
+        if not message.get("more_body"):
+            return b"".join(parts)
 
 
 def filter_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:

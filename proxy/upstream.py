@@ -5,7 +5,9 @@ server). Each step is stamped here, in the one place that performs it: the pool 
 pooled connection: a wait here is the proxy's own, the phase `wait`, never network), DNS (resolved by us, so it is timed apart from TCP), TCP connect, TLS handshake
 (`loop.start_tls` on the connected socket, so it is timed apart from TCP), request sent and
 response headers. After the headers we read the kernel's smoothed RTT for the very socket the
-request used (Linux TCP_INFO).
+request used (Linux TCP_INFO): on its first request, then at most once per `RTT_EVERY_NS` of the
+connection (the figure is the kernel's moving average already; reading it is a system call, 15-20 µs
+of a request under load, bench/RESULTS.md).
 
 Idle connections: one the upstream closes is closed by us at once (the protocol sees the FIN), so
 none lingers in CLOSE-WAIT; one idle for `--keepalive-expiry` seconds is closed by a sweep, so a
@@ -34,6 +36,7 @@ from .timing import RequestTiming, now_ns
 
 _TCP_INFO = getattr(socket, "TCP_INFO", None)
 _TCPI_RTT_OFFSET = 68  # struct tcp_info: 8 bytes of u8 fields, then u32s; tcpi_rtt (µs) is the 16th
+RTT_EVERY_NS = 1_000_000_000  # a pooled connection's RTT is read again after this long
 
 
 def socket_rtt_s(sock: Any) -> float | None:
@@ -170,7 +173,9 @@ class Upstream:
         if method == "HEAD":
             connection.head_only()
         if connection.transport is not None:
-            timing.rtt_s = socket_rtt_s(connection.transport.get_extra_info("socket"))
+            if not connection.rtt_ns or sent - connection.rtt_ns >= RTT_EVERY_NS:
+                connection.rtt_s, connection.rtt_ns = socket_rtt_s(connection.transport.get_extra_info("socket")), sent
+            timing.rtt_s = connection.rtt_s
         return connection
 
     def _checkout(self) -> Connection | None:

@@ -114,3 +114,42 @@ def test_a_pool_wait_past_the_first_token_limit_is_still_the_proxys(proxy_factor
     assert "first-token limit" in response.json()["error"]["message"]
     shed = next(r for r in server.wait_records(2) if r["outcome"] == "overloaded")
     assert shed["error"] == "proxy_overloaded:pool" and 0.4 < shed["duration_s"] < 1.0
+
+
+def test_a_pooled_connections_rtt_is_read_on_its_first_request_then_once_a_second(sim, monkeypatch):
+    """The kernel's smoothed RTT is a system call to read (15-20 µs of a request under load): a pooled
+    connection's is read with its first request, then given to the next ones until it is RTT_EVERY_NS old."""
+    import asyncio
+
+    from proxy import upstream as U
+    from proxy.config import Settings
+    from proxy.timing import RequestTiming, now_ns
+
+    reads: list[float | None] = []
+    real = U.socket_rtt_s
+
+    def spy(sock):
+        reads.append(real(sock))
+        return reads[-1]
+
+    monkeypatch.setattr(U, "socket_rtt_s", spy)
+
+    async def requests() -> list[RequestTiming]:
+        pool = U.Upstream(Settings(upstream=f"{sim.url}/v1"))
+        timings = []
+        for i in range(3):
+            t = RequestTiming(received_ns=now_ns())
+            connection = await pool.send("GET", b"/health", [(b"host", b"127.0.0.1")], b"", t)
+            while await connection.read():
+                pass
+            if i == 1:
+                connection.rtt_ns -= U.RTT_EVERY_NS  # (its reading made a second older)
+            pool.release(connection)
+            timings.append(t)
+        return timings
+
+    first, second, third = asyncio.run(requests())
+    assert second.reused and third.reused  # (one connection throughout)
+    assert len(reads) == 2  # the first request's, and the third's (the reading then a second old); not the second's
+    assert first.rtt_s == reads[0] and first.rtt_s is not None and 0 < first.rtt_s < 0.01
+    assert second.rtt_s == reads[0] and third.rtt_s == reads[1]

@@ -134,7 +134,8 @@ class ProxyMetrics:
             else:
                 self.m[d.name] = Histogram(d.name, d.doc, d.labels, registry=registry, buckets=d.buckets)
         self._bound: dict[tuple[str, ...], Any] = {}
-        self._series: dict[tuple[str, tuple[str, ...]], Series] = {}  # (model, its label set): a request's children (series.py)
+        # A label set's children (series.py): at most one per label set, which ModelLabels bounds (max_label_sets and its reserve).
+        self._series: dict[tuple[str, ...], Series] = {}
         for component in COMPONENTS:
             self.m["llmproxy_telemetry_errors"].labels(component)
         for reason in DROP_REASONS:
@@ -178,9 +179,9 @@ class ProxyMetrics:
         tenant = self.tenant_label(t.tenant)
         self._tenant_seen[tenant] = time.monotonic()
         tenanted = self.models.label_set(model, upstream, t.endpoint, stream, tenant)
-        series = self._series.get((model, tenanted))
+        series = self._series.get(tenanted)
         if series is None:
-            series = self._series[(model, tenanted)] = Series(child, tenanted, model, not self.multiprocess)
+            series = self._series[tenanted] = Series(child, tenanted, not self.multiprocess)
         series.count("llmproxy_requests", t.api, t.outcome, str(t.status_code))(1)
         if t.unmeasured:
             child("llmproxy_unmeasured_requests", upstream, t.unmeasured).inc()
@@ -201,9 +202,9 @@ class ProxyMetrics:
         if t.reused is not None:
             series.count("llmproxy_upstream_connections", "true" if t.reused else "false")(1)
         if t.tokenize_prompt_s is not None:
-            series.observe("llmproxy_tokenize_seconds", "prompt")(t.tokenize_prompt_s)
+            child("llmproxy_tokenize_seconds", model, "prompt").observe(t.tokenize_prompt_s)
         if t.tokenize_completion_s is not None:
-            series.observe("llmproxy_tokenize_seconds", "completion")(t.tokenize_completion_s)
+            child("llmproxy_tokenize_seconds", model, "completion").observe(t.tokenize_completion_s)
         for kind, count in (("prompt", t.prompt_tokens), ("completion", t.completion_tokens),
                             ("cached_prompt", t.cached_prompt_tokens), ("reasoning", t.hidden_reasoning_tokens)):
             if count:

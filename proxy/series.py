@@ -119,10 +119,10 @@ class Series:
     on first use through `child` (ProxyMetrics.child: bound once, per label values) and kept here with its
     direct observation, on cells when `cells` (one process; the event loop its only writer)."""
 
-    __slots__ = ("child", "cells", "tenanted", "key", "model", "upstream", "stream", "endpoint", "_made")
+    __slots__ = ("child", "cells", "tenanted", "key", "upstream", "stream", "endpoint", "_made")
 
-    def __init__(self, child: Callable[..., Any], tenanted: tuple[str, ...], model: str, cells: bool) -> None:
-        self.child, self.cells, self.tenanted, self.key, self.model = child, cells, tenanted, tenanted[:4], model
+    def __init__(self, child: Callable[..., Any], tenanted: tuple[str, ...], cells: bool) -> None:
+        self.child, self.cells, self.tenanted, self.key = child, cells, tenanted, tenanted[:4]
         self.upstream, self.endpoint, self.stream = tenanted[1], tenanted[2], tenanted[3]
         self._made: dict[Any, Observe] = {}
 
@@ -152,7 +152,7 @@ class Series:
 
     def labels_of(self, name: str) -> tuple[str, ...]:
         """The leading label values of the per-request families (metrics.METRICS): the whole set, its first
-        four, (upstream, endpoint, stream), the upstream, or the model."""
+        four, (upstream, endpoint, stream), or the upstream."""
         return LEADING[name](self)
 
 
@@ -170,7 +170,6 @@ LEADING: dict[str, Callable[[Series], tuple[str, ...]]] = {
     "llmproxy_proxy_overhead_seconds": lambda s: (s.upstream, s.endpoint, s.stream),
     "llmproxy_upstream_rtt_seconds": lambda s: (s.upstream,),
     "llmproxy_upstream_connections": lambda s: (s.upstream,),
-    "llmproxy_tokenize_seconds": lambda s: (s.model,),
 }
 
 

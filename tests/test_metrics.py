@@ -155,3 +155,14 @@ def test_series_at_the_model_cap(proxy_factory, tmp_path):
     labels = set(re.findall(rb'tenant="([^"]*)"', body))
     assert labels == {b"tenant-%02d" % i for i in range(20)} | {b"other", b"unknown"}, labels  # (unknown: its refusal series, from 0)
     assert b"user-" not in body and b"user=" not in body
+
+def test_a_requests_series_are_as_bounded_as_its_label_sets():
+    """series.py keeps one holder of children per label set: 100 models from 3 tenants past a budget of 32 sets
+    make no more holders than sets (the folded ones: model `other`, then tenant `other` too)."""
+    metrics = ProxyMetrics(CollectorRegistry(), max_models=100, max_label_sets=32)
+    for i in range(100):
+        for tenant in ("a", "b", "c"):
+            t = streaming_record()
+            t.status_code, t.tenant, t.model = 200, tenant, f"m{i}"
+            metrics.observe(t, split(t), UP)
+    assert len(metrics._series) <= 32 + 32 // 16 + 1

@@ -9,9 +9,9 @@ child's values (its count, its sum, its buckets) are `Cell`s: a float the event 
 incremented in place. The library's own calls and its exposition still work on them (a cell has a
 mutex value's methods), so the scrape reads what it read before. Only the per-request families
 observed from the event loop get cells, and only in a single process: with workers the values are
-the multiprocess files, which keep their own locks. Through the library still: an observation with
-an exemplar (validated), a NaN (in no bucket), and counts from the upstream (tokens: a negative one
-must raise, as it did, never decrement a counter).
+the multiprocess files, observed through the library's own calls as before. Through the library
+still: an observation with an exemplar (validated), a NaN (in no bucket), and counts from the
+upstream (tokens: a negative one must raise, as it did, never decrement a counter).
 """
 from __future__ import annotations
 
@@ -51,14 +51,20 @@ def _cell(value: Any) -> Cell:
     return value if isinstance(value, Cell) else Cell(value.get())
 
 
-def increment(child: Any, cells: bool) -> Observe:
-    """A counter's increment by a non-negative amount: its value made a cell (`cells`), or the value's own."""
-    value = getattr(child, "_value", None)
-    if value is None or not callable(getattr(value, "get", None)):
-        return child.inc
-    if not cells:
-        return value.inc
-    cell = child._value = _cell(value)
+def on_cells(child: Any) -> None:
+    """The child's values (a counter's value; a summary's count and sum; a histogram's sum and buckets) made
+    cells, their counts kept (a child already on cells, from a label set's series made again, stays as it is)."""
+    for name in ("_value", "_count", "_sum"):
+        if hasattr(child, name):
+            setattr(child, name, _cell(getattr(child, name)))
+    if hasattr(child, "_buckets"):
+        child._buckets = [_cell(bucket) for bucket in child._buckets]
+
+
+def increment(child: Any) -> Observe:
+    """A counter's increment by a non-negative amount, on its cell."""
+    on_cells(child)
+    cell = child._value
 
     def inc(amount: float) -> None:
         cell.v += amount
@@ -66,89 +72,66 @@ def increment(child: Any, cells: bool) -> Observe:
     return inc
 
 
-def observer(child: Any, cells: bool) -> Observe:
-    """A histogram's or summary's observation, as the library makes it, on cells (`cells`) or on its own values."""
-    total, count = getattr(child, "_sum", None), getattr(child, "_count", None)
-    buckets, upper = getattr(child, "_buckets", None), getattr(child, "_upper_bounds", None)
-    if total is None:
-        return child.observe
-    if buckets is not None and upper is not None and len(buckets) == len(upper):
-        bounds, slow = list(upper), child.observe
-        if cells:
-            child._sum, child._buckets = cell_sum, cell_buckets = _cell(total), [_cell(bucket) for bucket in buckets]
+def observer(child: Any) -> Observe:
+    """A histogram's or summary's observation, as the library makes it, on its cells."""
+    on_cells(child)
+    total = child._sum
+    if hasattr(child, "_buckets"):
+        buckets, bounds, slow = child._buckets, list(child._upper_bounds), child.observe
 
-            def histogram(value: float) -> None:
-                if value != value:  # NaN: in no bucket, as the library has it
-                    slow(value)
-                    return
-                cell_sum.v += value
-                cell_buckets[bisect_left(bounds, value)].v += 1  # (the first bucket whose bound is >= the value: the library's loop)
-
-            return histogram
-        bucket_inc, sum_inc = [bucket.inc for bucket in buckets], total.inc
-
-        def locked(value: float) -> None:
-            if value != value:
+        def histogram(value: float) -> None:
+            if value != value:  # NaN: in no bucket, as the library has it
                 slow(value)
                 return
-            sum_inc(value)
-            bucket_inc[bisect_left(bounds, value)](1)
+            total.v += value
+            buckets[bisect_left(bounds, value)].v += 1  # (the first bucket whose bound is >= the value: the library's loop)
 
-        return locked
-    if buckets is None and count is not None:
-        if cells:
-            child._count, child._sum = cell_count, cell_total = _cell(count), _cell(total)
+        return histogram
+    count = child._count
 
-            def summary(value: float) -> None:
-                cell_count.v += 1
-                cell_total.v += value
+    def summary(value: float) -> None:
+        count.v += 1
+        total.v += value
 
-            return summary
-        count_inc, summary_sum = count.inc, total.inc
-
-        def summary_locked(value: float) -> None:
-            count_inc(1)
-            summary_sum(value)
-
-        return summary_locked
-    return child.observe
+    return summary
 
 
 class Series:
     """The children of one request label set (its model, upstream, endpoint, stream and tenant), each made
     on first use through `child` (ProxyMetrics.child: bound once, per label values) and kept here with its
-    direct observation, on cells when `cells` (one process; the event loop its only writer)."""
+    direct observation, on cells when `cells` (one process; the event loop its only writer), else the
+    library's own (with workers: the multiprocess files)."""
 
     __slots__ = ("child", "cells", "tenanted", "key", "upstream", "stream", "endpoint", "_made")
 
     def __init__(self, child: Callable[..., Any], tenanted: tuple[str, ...], cells: bool) -> None:
         self.child, self.cells, self.tenanted, self.key = child, cells, tenanted, tenanted[:4]
         self.upstream, self.endpoint, self.stream = tenanted[1], tenanted[2], tenanted[3]
-        self._made: dict[Any, Observe] = {}
-
-    def _get(self, what: Any, make: Callable[[], Observe]) -> Observe:
-        made = self._made.get(what)
-        if made is None:
-            made = self._made[what] = make()
-        return made
+        self._made: dict[tuple[str, tuple[str, ...] | None], Any] = {}
 
     def count(self, name: str, *labels: str) -> Observe:
         """A counter of this set's labels and `labels`, with the labels `name` takes (see `labels_of`)."""
-        return self._get((name, labels), lambda: increment(self.child(name, *self.labels_of(name), *labels), self.cells))
+        made = self._made.get((name, labels))
+        if made is None:
+            child = self.child(name, *self.labels_of(name), *labels)
+            made = self._made[(name, labels)] = increment(child) if self.cells else child.inc
+        return made
 
     def observe(self, name: str, *labels: str) -> Observe:
-        return self._get((name, labels), lambda: observer(self.child(name, *self.labels_of(name), *labels), self.cells))
+        made = self._made.get((name, labels))
+        if made is None:
+            child = self.child(name, *self.labels_of(name), *labels)
+            made = self._made[(name, labels)] = observer(child) if self.cells else child.observe
+        return made
 
     def many(self, name: str) -> Any:
-        """A histogram's or summary's child itself, for `observe_many` (its values made cells when `cells`)."""
-
-        def make() -> Any:
-            child = self.child(name, *self.labels_of(name))
+        """A histogram's or summary's child itself, for `observe_many` (on cells when `cells`)."""
+        made = self._made.get((name, None))
+        if made is None:
+            made = self._made[(name, None)] = self.child(name, *self.labels_of(name))
             if self.cells:
-                observer(child, True)
-            return child
-
-        return self._get((name, None), make)
+                on_cells(made)
+        return made
 
     def labels_of(self, name: str) -> tuple[str, ...]:
         """The leading label values of the per-request families (metrics.METRICS): the whole set, its first

@@ -182,7 +182,7 @@ class ProxyMetrics:
         series = self._series.get(tenanted)
         if series is None:
             series = self._series[tenanted] = Series(child, tenanted, not self.multiprocess)
-        series.count("llmproxy_requests", t.api, t.outcome, str(t.status_code))(1)
+        series.observe("llmproxy_requests", t.api, t.outcome, str(t.status_code))(1)
         if t.unmeasured:
             child("llmproxy_unmeasured_requests", upstream, t.unmeasured).inc()
         if t.outcome == "overloaded":
@@ -200,7 +200,7 @@ class ProxyMetrics:
         if t.rtt_s is not None:
             series.observe("llmproxy_upstream_rtt_seconds")(t.rtt_s)
         if t.reused is not None:
-            series.count("llmproxy_upstream_connections", "true" if t.reused else "false")(1)
+            series.observe("llmproxy_upstream_connections", "true" if t.reused else "false")(1)
         if t.tokenize_prompt_s is not None:
             child("llmproxy_tokenize_seconds", model, "prompt").observe(t.tokenize_prompt_s)
         if t.tokenize_completion_s is not None:
@@ -216,19 +216,17 @@ class ProxyMetrics:
             child("llmproxy_prefix_strays", upstream).inc()
         if b is None or t.outcome != "ok":
             return
-        if trace_id and not self.multiprocess:  # (an exemplar: through the library, which validates it)
-            ex = {"trace_id": trace_id}
-            child("llmproxy_request_duration_seconds", *tenanted).observe(b.e2e_s, ex)
-            if b.ttft_s is not None:
-                child("llmproxy_time_to_first_token_seconds", *tenanted).observe(b.ttft_s - b.phases.get("failover", 0.0), ex)
-            if b.decode_tokens_per_second is not None and t.unmeasured != "client_backpressure":
-                child("llmproxy_decode_tokens_per_second", *tenanted).observe(b.decode_tokens_per_second, ex)
-        else:
-            series.observe("llmproxy_request_duration_seconds")(b.e2e_s)
-            if b.ttft_s is not None:  # (the serving replica's own: the phase failover is the abandoned replicas', above)
-                series.observe("llmproxy_time_to_first_token_seconds")(b.ttft_s - b.phases.get("failover", 0.0))
-            if b.decode_tokens_per_second is not None and t.unmeasured != "client_backpressure":
-                series.observe("llmproxy_decode_tokens_per_second")(b.decode_tokens_per_second)
+        # The user-facing latencies, each with the request's trace id as its exemplar when it has one (through the
+        # library, which validates it); the serving replica's own TTFT (the phase failover is the abandoned replicas', above).
+        ex = {"trace_id": trace_id} if trace_id and not self.multiprocess else None
+        for name, value in (("llmproxy_request_duration_seconds", b.e2e_s),
+                            ("llmproxy_time_to_first_token_seconds", None if b.ttft_s is None else b.ttft_s - b.phases.get("failover", 0.0)),
+                            ("llmproxy_decode_tokens_per_second", None if t.unmeasured == "client_backpressure" else b.decode_tokens_per_second)):
+            if value is not None:
+                if ex is not None:
+                    child(name, *tenanted).observe(value, ex)
+                else:
+                    series.observe(name)(value)
         if b.prefill_tokens_per_second is not None:
             series.observe("llmproxy_prefill_tokens_per_second")(b.prefill_tokens_per_second)
         if t.unmeasured != "client_backpressure":  # (its decode stamps may be the client's pace, not the engine's)
@@ -244,7 +242,7 @@ class ProxyMetrics:
                 series.observe("llmproxy_engine_time_per_output_token_seconds")(engine.per_token_s)
         for phase, seconds in b.phases.items():
             if phase != "failover":
-                series.count("llmproxy_phase_seconds", phase)(max(0.0, seconds))
+                series.observe("llmproxy_phase_seconds", phase)(max(0.0, seconds))
         series.observe("llmproxy_proxy_overhead_seconds")(b.phases.get("proxy", 0.0))
 
     def observe_slo(self, verdict: Verdict, model: str, upstream: str, tenant: str = "unknown") -> None:

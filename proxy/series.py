@@ -109,19 +109,18 @@ class Series:
         self.upstream, self.endpoint, self.stream = tenanted[1], tenanted[2], tenanted[3]
         self._made: dict[tuple[str, tuple[str, ...] | None], Any] = {}
 
-    def count(self, name: str, *labels: str) -> Observe:
-        """A counter of this set's labels and `labels`, with the labels `name` takes (see `labels_of`)."""
-        made = self._made.get((name, labels))
-        if made is None:
-            child = self.child(name, *self.labels_of(name), *labels)
-            made = self._made[(name, labels)] = increment(child) if self.cells else child.inc
-        return made
-
     def observe(self, name: str, *labels: str) -> Observe:
+        """What one value does to the child of this set's labels and `labels` (with the labels `name` takes, see
+        `labels_of`): a counter's increment, a histogram's or summary's observation."""
         made = self._made.get((name, labels))
         if made is None:
             child = self.child(name, *self.labels_of(name), *labels)
-            made = self._made[(name, labels)] = observer(child) if self.cells else child.observe
+            counter = hasattr(child, "_value")
+            if self.cells:
+                made = increment(child) if counter else observer(child)
+            else:
+                made = child.inc if counter else child.observe
+            self._made[(name, labels)] = made
         return made
 
     def many(self, name: str) -> Any:

@@ -34,6 +34,8 @@ TOKENS_PER_MESSAGE = 3
 TOKENS_PER_NAME = 1
 REPLY_PRIMING = 3
 MODEL_CACHE_LIMIT = 1024
+LONG_TEXT = 4096  # characters: from here the token cache finds a text by its samples, then compares it whole
+SAMPLE = 64  # characters of each sample: the head, the middle, the tail, and one spread over the text
 
 
 def default_cache_dir() -> Path:
@@ -138,9 +140,13 @@ class TokenCache:
     """Token counts of prompt parts already counted, per encoding: an agent resends its system prompt,
     its tool schemas and the whole conversation on every turn, with one message more. A part is a
     text of the prompt (a message's content, the tools' JSON, the instructions); its count is looked
-    up by the text itself (a dict: Python's string hash, 51 µs for 170 KB against 4 ms to tokenize
-    it, and an exact comparison on a hit: a changed part is never taken for another), least recently
-    used first out past `max_bytes` of text or `max_entries` parts.
+    up by the text itself, with an exact comparison on a hit (a changed part is never taken for
+    another), least recently used first out past `max_bytes` of text or `max_entries` parts. A short
+    text is its own key (Python's string hash); a long one (`LONG_TEXT` characters or more) is found
+    by its length and samples of it (`_key`), then compared whole: each turn's parse makes a new
+    string, whose hash reads all of it (50 µs for an agent's 170 KB system prompt, twice that with
+    cold caches), where the comparison of equal texts is one memcmp. Two long texts with the same
+    samples share a slot: the comparison tells them apart, and the one not in it is a miss.
 
     The tokenize phase stands for the server's tokenizing the whole prompt, which a cache in the
     proxy does not change: a looked-up part's time is its tokens at this process's measured
@@ -153,34 +159,45 @@ class TokenCache:
 
     def __init__(self, max_bytes: int = 64 * 1024 * 1024, max_entries: int = 100_000) -> None:
         self.max_bytes, self.max_entries = max_bytes, max_entries
-        self._counts: OrderedDict[tuple[str, str], int] = OrderedDict()
+        self._counts: OrderedDict[tuple[str, ...], tuple[str, int]] = OrderedDict()  # key: (encoding, text), or samples
         self.bytes = 0
         self.hits = self.misses = 0
         self._rate = [0.0, 0.0, 0.0, 0.0]  # (seconds, tokens) of large counts, then of every count, decayed
+
+    def _key(self, encoding: str, text: str) -> tuple[str, ...]:
+        size = len(text)
+        if size < LONG_TEXT:
+            return (encoding, text)
+        n, middle = SAMPLE, size // 2
+        return (encoding, str(size), text[:n], text[middle - n:middle + n], text[-n:], text[::size // n])
 
     def lookup(self, encoding: str, texts: list[str]) -> list[int | None]:
         counts = self._counts
         out: list[int | None] = []
         for text in texts:
-            key = (encoding, text)
-            count = counts.get(key)
-            if count is not None:
+            key = (encoding, text) if len(text) < LONG_TEXT else self._key(encoding, text)
+            entry = counts.get(key)
+            if entry is not None and entry[0] == text:  # (a short text's key compared it already)
                 counts.move_to_end(key)
                 self.hits += 1
+                out.append(entry[1])
             else:
                 self.misses += 1
-            out.append(count)
+                out.append(None)
         return out
 
     def store(self, encoding: str, texts: list[str], counts: list[int]) -> None:
         table = self._counts
         for text, count in zip(texts, counts):
-            key = (encoding, text)
-            if key not in table:
-                self.bytes += len(text)
-            table[key] = count
+            key = self._key(encoding, text)
+            old = table.get(key)
+            if old is not None:  # (the same text again, or another of the same samples: this one takes the slot)
+                self.bytes -= len(old[0])
+            self.bytes += len(text)
+            table[key] = (text, count)
+            table.move_to_end(key)
         while table and (self.bytes > self.max_bytes or len(table) > self.max_entries):
-            (_, text), _ = table.popitem(last=False)
+            _, (text, _) = table.popitem(last=False)
             self.bytes -= len(text)
 
     def measured(self, tokens: int, seconds: float) -> None:

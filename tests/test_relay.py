@@ -222,7 +222,7 @@ def test_telemetry_failures_are_counted_and_never_reach_the_client(proxy, monkey
         raise RuntimeError("exporter exploded")
 
     monkeypatch.setattr(proxy.app.telemetry.tracing, "_attributes", broken)  # building the spans fails (they still go out)
-    monkeypatch.setattr(proxy.app.telemetry.tokenizer, "timed_counts", broken)  # the prompt count fails
+    monkeypatch.setattr(type(proxy.app.telemetry.tokenizer), "timed_counts", broken)  # the prompt count fails (a compiled class: patched on it)
     c = client(proxy)
     for _ in range(2):
         chunks = list(c.chat.completions.create(model="sim-7b", messages=[{"role": "user", "content": "x"}], max_tokens=3, stream=True))

@@ -104,6 +104,29 @@ def test_the_cache_knows_each_part_by_its_text_and_forgets_the_oldest():
     assert cache.lookup("o200k_base", ["efgh", "abcd", "ijkl"]) == [None, 1, 3] and cache.bytes == 8
 
 
+def test_a_long_text_is_found_by_its_samples_and_taken_only_when_equal_whole():
+    """A long part (an agent's system prompt) is looked up by its length and samples, then compared
+    whole: a text of the same samples that differs anywhere else is a miss, never the other's count."""
+    from proxy.tokens import LONG_TEXT, TokenCache
+
+    cache = TokenCache()
+    long = LONG_TEXT
+    system = "".join(f"line {i}: the agent's rules.\n" for i in range(long // 10))
+    assert len(system) >= long
+    cache.store("o200k_base", [system, "user"], [900, 1])
+    fresh = (system + ".")[:-1]  # an equal text, another object (a new turn's parse)
+    assert fresh is not system and cache.lookup("o200k_base", [fresh, "user"]) == [900, 1]
+    # One character changed where no sample looks (between the head and the middle): same samples, another text.
+    at = len(system) // 4
+    edited = system[:at] + ("X" if system[at] != "X" else "Y") + system[at + 1:]
+    assert cache._key("o200k_base", edited) == cache._key("o200k_base", system)
+    assert cache.lookup("o200k_base", [edited]) == [None] and cache.misses == 1
+    assert cache.lookup("cl100k_base", [fresh]) == [None]  # per encoding
+    cache.store("o200k_base", [edited], [901])  # it takes the slot: the bytes are counted once
+    assert cache.bytes == len(edited) + len("user")
+    assert cache.lookup("o200k_base", [system, edited]) == [None, 901]
+
+
 def test_the_cache_rate_is_learned_from_large_counts_weighted_by_tokens():
     from proxy.tokens import TokenCache
 

@@ -3,11 +3,18 @@
 Why a process: what a record costs beyond its JSON (its typed columns, its compression, the store's
 driver encoding the batch, SQLite's own inserting and indexing in-process) held the serving process's
 GIL and CPU: 65 µs a record, 13% fewer short requests a second (bench/records_cost.py). Here the
-serving process only names the record, serialises it once (orjson) and queues it; a sender thread
-hands what is queued to the writer process over a pipe, at most once per `SEND_S` (one message a batch), where a
-`Writer` (records/__init__.py: its bounded buffer, batches, retries, maintenance, boots) does the rest,
-and reports back what the metrics count (written, dropped by reason, errors, records lost by crashes,
-what it buffers). Reads (`recent`, the summaries) go to the store directly, from this process.
+serving process only names the record, serialises it once (orjson) and queues it; what is queued goes to
+the writer process over a pipe, at most once per `SEND_S` (one message a batch), where a `Writer`
+(records/__init__.py: its bounded buffer, batches, retries, maintenance, boots) does the rest, and reports back
+what the metrics count (written, dropped by reason, errors, records lost by crashes, what it buffers). Reads
+(`recent`, the summaries) go to the store directly, from this process.
+
+Who sends: on the event loop (the finisher adds records there), the loop itself, with a write that never
+waits (`MSG_DONTWAIT`), at once or on a timer at the end of the `SEND_S` window. A sender thread woken for
+each message cost more than the record (on this VM a thread's wake-up is 70-160 µs of CPU, against a
+few for the write). The sender thread does the rest: what a full pipe would block on (the loop hands it the
+message, the part not written first), flushes and the close (from other threads), records added off the loop,
+and a dead writer process replaced. One lock keeps their messages whole on the pipe.
 
 A kill -9 of the serving process ends the pipe: the writer process writes what it holds (within
 `ORPHAN_S`) and leaves its boot running, so that the next maintenance pass anywhere counts what the
@@ -16,13 +23,17 @@ dying is noticed by the sender: a new one is started, and what the dead one held
 """
 from __future__ import annotations
 
+import asyncio
 import collections
 import itertools
 import logging
 import multiprocessing
 import os
+import socket
+import struct
 import threading
 import time
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable
 
 from . import Filters, Row, Writer, open_backend, serialise
@@ -95,11 +106,19 @@ class Outbox:
         self._close_s = 5.0
         self._closed = threading.Event()
         self.buffered = 0
+        self._wire = threading.Lock()  # held for each message written to the pipe: the loop's and the thread's
+        self._last = 0.0  # when the last message went (monotonic)
+        self._timer: asyncio.TimerHandle | None = None  # the loop's send at the end of the window
+        self._due = 0.0  # when it is due (monotonic)
+        self._rest = b""  # a message the loop began to write and the sender thread finishes
+        self._socket: socket.socket | None = None  # the pipe's socket, for the loop's writes
         self._start()
         self._sender = threading.Thread(target=self._send, name="llmproxy-records-send", daemon=True)
         self._sender.start()
 
     def _start(self) -> None:
+        if self._socket is not None:
+            self._socket.close()  # (the dead writer process's)
         context = multiprocessing.get_context("forkserver")  # (forked from a server of its own: no thread of this process copied)
         context.set_forkserver_preload(["proxy.records.outbox"])
         self._conn, child = context.Pipe(duplex=True)
@@ -107,6 +126,7 @@ class Outbox:
                                         name="llmproxy-records", daemon=True)  # (not joined at exit; a kill -9 of this one leaves it to finish)
         self._process.start()
         child.close()
+        self._socket = socket.socket(fileno=os.dup(self._conn.fileno()))  # (the loop's writes: MSG_DONTWAIT, the fd stays blocking)
         self._receiver = threading.Thread(target=self._receive, args=(self._conn,), name="llmproxy-records-receive", daemon=True)
         self._receiver.start()
 
@@ -125,47 +145,101 @@ class Outbox:
         if len(queue) > self.limits[0]:  # (a writer process that stopped reading: the oldest go, counted, as in its own buffer)
             queue.popleft()
             self.on_drop("buffer_full", 1)
-        if len(queue) == 1:  # (it was empty: once per batch, not per record; a drain that took it already is harmless)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is not None:
+            now = time.monotonic()
+            if self._timer is None or now > self._due + 1.0:  # (else the window's send takes this one too; one of a loop gone: not)
+                left = self._last + SEND_S - now
+                if left > 0:
+                    self._timer, self._due = loop.call_later(left, self._send_now), now + left
+                else:
+                    self._send_now()
+        elif len(queue) == 1:  # (it was empty: once per batch, not per record; a drain that took it already is harmless)
             self._wake.set()
 
+    def _send_now(self) -> None:
+        """On the loop: what is queued, as one message, written without waiting. What the pipe does not take
+        at once (it is full: the writer process is behind) goes to the sender thread, which waits for it;
+        so does everything while the thread is writing."""
+        self._timer = None
+        if not self._queue:
+            return  # (the thread took them)
+        if not self._wire.acquire(blocking=False):
+            self._wake.set()  # (the thread is writing: it takes these next)
+            return
+        handed = False
+        try:
+            if self._rest or self._stopping:  # (the thread finishes a message first, or closes: it takes these)
+                handed = True
+                return
+            rows = []
+            while self._queue:
+                rows.append(self._queue.popleft())
+            payload = ForkingPickler.dumps(("rows", rows))
+            message = struct.pack("!i", len(payload)) + payload  # (multiprocessing's framing: the writer process's recv)
+            try:
+                assert self._socket is not None
+                sent = self._socket.send(message, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                sent = 0
+            except OSError:  # the writer process is gone: the thread starts another and sends these there
+                self._queue.extendleft(reversed(rows))
+                handed = True
+                return
+            self._last = time.monotonic()
+            if sent < len(message):
+                self._rest = message[sent:]
+                handed = True
+        finally:
+            self._wire.release()
+            if handed:
+                self._wake.set()
+
     def _send(self) -> None:
-        """What is queued, in one message: at once when the last went `SEND_S` ago or more (a record at an agent's
-        pace costs one wake-up, not two), else when `SEND_S` has passed since (at most one message per `SEND_S`
-        under load); a flush or the close at once. Asleep while nothing is queued: a thread that woke every
+        """The sender thread (the loop sends its own records: `_send_now`). What is queued, in one message: at once
+        when the last went `SEND_S` ago or more (a record at an agent's pace costs one wake-up, not two), else when
+        `SEND_S` has passed since (at most one message per `SEND_S` under load); a flush or the close at once. Asleep while nothing is queued: a thread that woke every
         `SEND_S` regardless cost an idle proxy 8 ms of CPU a second and took the GIL from the relay 100 times a
         second. A dead writer process is replaced."""
-        last = 0.0
         while True:
             self._wake.wait()
             with self._cond:
-                left = last + SEND_S - time.monotonic()
+                left = self._last + SEND_S - time.monotonic()
                 if left > 0 and not (self._stopping or self._to_send):
                     self._cond.wait(left)  # (the batch's window; a flush or the close cuts it short)
                 stopping = self._stopping
             self._wake.clear()  # (before the queue is drained: a record added from here on sets it again, or is drained now)
-            rows = []
-            while self._queue:
-                rows.append(self._queue.popleft())
-            flushes = []
-            while self._to_send:
-                flushes.append(self._to_send.popleft())
-            last = time.monotonic()
-            try:
-                if rows:
-                    self._conn.send(("rows", rows))
-                for token in flushes:
-                    self._conn.send(("flush", token, FLUSH_S))
-                if stopping:
-                    self._conn.send(("close", self._close_s))
-                    return
-            except (OSError, ValueError):
-                if stopping:
-                    return
-                self.on_error()
-                log.error("the records writer process died: another is started (what it held is counted by its boot's figures)")
-                self._start()
-                if rows:
-                    self._conn.send(("rows", rows))
+            with self._wire:
+                rest, self._rest = self._rest, b""
+                rows = []
+                while self._queue:
+                    rows.append(self._queue.popleft())
+                flushes = []
+                while self._to_send:
+                    flushes.append(self._to_send.popleft())
+                self._last = time.monotonic()
+                try:
+                    if rest:
+                        assert self._socket is not None
+                        self._socket.sendall(rest)  # (the loop's message, finished first: its rows came before these)
+                    if rows:
+                        self._conn.send(("rows", rows))
+                    for token in flushes:
+                        self._conn.send(("flush", token, FLUSH_S))
+                    if stopping:
+                        self._conn.send(("close", self._close_s))
+                        return
+                except (OSError, ValueError):
+                    if stopping:
+                        return
+                    self.on_error()
+                    log.error("the records writer process died: another is started (what it held is counted by its boot's figures)")
+                    self._start()
+                    if rows:
+                        self._conn.send(("rows", rows))
 
     def _receive(self, conn: Any) -> None:
         while True:
@@ -218,3 +292,5 @@ class Outbox:
         self._process.join(5.0)
         if self._process.is_alive():
             self._process.kill()
+        if self._socket is not None:
+            self._socket.close()

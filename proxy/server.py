@@ -3,7 +3,8 @@
 uvicorn bounds idle keep-alive connections but not the time a client takes to send its request
 headers, so a client trickling one header byte a second holds a connection forever (slowloris).
 `GuardedHttpTools` closes a connection whose headers are not complete `--header-timeout` seconds
-after it opened or after its request began. It also stamps, in the protocol callback, when a
+after it opened or after its request began (armed only when a read ends with a request's head
+incomplete: a keep-alive request whose head came whole, the usual case, arms and cancels no timer). It also stamps, in the protocol callback, when a
 request's first byte and its body's last byte were read off the socket (`STAMPS` in the scope's
 extensions): the request's `received_ns` and the end of the client's upload. Stamped when the
 request's task first runs instead, a burst's later requests would hide the time they waited
@@ -41,12 +42,15 @@ class GuardedHttpTools(HttpToolsProtocol):
         self._read_ns = now_ns()
         super().connection_made(transport)
         self._header_timer: asyncio.TimerHandle | None = None
+        self._heading = False  # a request began and its headers are not complete yet
         self._stamps: dict[str, Any] = {}
         self._arm()
 
     def data_received(self, data: bytes) -> None:
         self._read_ns = now_ns()
         super().data_received(data)
+        if self._heading and self._header_timer is None:
+            self._arm()  # (a request's head left incomplete by this read: its deadline runs from now)
 
     def _arm(self) -> None:
         if self._header_timer is not None:
@@ -63,7 +67,7 @@ class GuardedHttpTools(HttpToolsProtocol):
         super().on_message_begin()
         self._stamps = {"first_byte_ns": self._read_ns, "body_end_ns": 0, "blocked": [], "paused_ns": 0}
         self.scope["extensions"] = {STAMPS: self._stamps}  # type: ignore[dict-item]
-        self._arm()
+        self._heading = True  # (the deadline is armed only if this read ends before the headers do: data_received)
 
     def pause_writing(self) -> None:
         """The client stopped taking bytes as fast as they come: stamped, as the relay's wait on it."""
@@ -87,6 +91,7 @@ class GuardedHttpTools(HttpToolsProtocol):
         super().on_message_complete()
 
     def on_headers_complete(self) -> None:
+        self._heading = False
         if self._header_timer is not None:
             self._header_timer.cancel()
             self._header_timer = None

@@ -211,6 +211,20 @@ def test_slowloris_headers_and_bodies_are_cut(proxy_factory):
             start = time.monotonic()
             assert sock.recv(1024) == b""  # closed by the proxy
             assert time.monotonic() - start < 2
+        with socket.create_connection(("127.0.0.1", port)) as sock:  # a keep-alive connection's second request, trickled
+            sock.settimeout(5)
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")  # (whole: no deadline armed for it)
+            reply = sock.recv(4096)
+            head, _, body = reply.partition(b"\r\n\r\n")
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+            while len(body) < length:
+                body += sock.recv(4096)
+            assert head.startswith(b"HTTP/1.1 200")
+            time.sleep(0.7)  # (past the header timeout: an idle keep-alive connection is uvicorn's to time out, not this guard's)
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n")
+            start = time.monotonic()
+            assert sock.recv(1024) == b""  # closed by the proxy, the header timeout after this request began
+            assert 0.4 < time.monotonic() - start < 2
     finally:
         guarded.should_exit = True
         GuardedHttpTools.header_timeout = 10.0

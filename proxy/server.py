@@ -4,7 +4,8 @@ uvicorn bounds idle keep-alive connections but not the time a client takes to se
 headers, so a client trickling one header byte a second holds a connection forever (slowloris).
 `GuardedHttpTools` closes a connection whose headers are not complete `--header-timeout` seconds
 after it opened or after its request began (armed only when a read ends with a request's head
-incomplete: a keep-alive request whose head came whole, the usual case, arms and cancels no timer). It also stamps, in the protocol callback, when a
+incomplete: a keep-alive request whose head came whole, the usual case, arms and cancels no timer).
+It also stamps, in the protocol callback, when a
 request's first byte and its body's last byte were read off the socket (`STAMPS` in the scope's
 extensions): the request's `received_ns` and the end of the client's upload. Stamped when the
 request's task first runs instead, a burst's later requests would hide the time they waited

@@ -200,10 +200,10 @@ class Outbox:
 
     def _send(self) -> None:
         """The sender thread (the loop sends its own records: `_send_now`). What is queued, in one message: at once
-        when the last went `SEND_S` ago or more (a record at an agent's pace costs one wake-up, not two), else when
-        `SEND_S` has passed since (at most one message per `SEND_S` under load); a flush or the close at once. Asleep while nothing is queued: a thread that woke every
-        `SEND_S` regardless cost an idle proxy 8 ms of CPU a second and took the GIL from the relay 100 times a
-        second. A dead writer process is replaced."""
+        when the last went `SEND_S` ago or more, else when `SEND_S` has passed since (at most one message per
+        `SEND_S` under load); a flush or the close at once. Asleep while nothing is queued: a thread that woke
+        every `SEND_S` regardless cost an idle proxy 8 ms of CPU a second and took the GIL from the relay 100
+        times a second. A dead writer process is replaced."""
         while True:
             self._wake.wait()
             with self._cond:

@@ -323,7 +323,7 @@ def test_the_outbox_sleeps_while_idle_and_wakes_for_a_record(tmp_path):
 def test_on_the_event_loop_records_go_to_the_writer_process_without_waking_the_sender_thread(tmp_path):
     """The finisher adds records on the event loop, which writes them to the pipe itself (at once, or at the end
     of the `SEND_S` window): the sender thread is not scheduled at all (it once ran for each, 70-160 µs of CPU on
-    this VM per wake-up), and each record is stored; records added in one window go as one message."""
+    this VM per wake-up), and each record is stored, paced one by one or in a burst within one window."""
     import asyncio
     import threading
 

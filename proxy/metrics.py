@@ -6,6 +6,7 @@ per label set, so observing a request does no label validation.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from dataclasses import dataclass
@@ -103,6 +104,8 @@ METRICS: tuple[MetricDef, ...] = (
 )
 
 TENANT_POSITION = {d.name: d.labels.index("tenant") for d in METRICS if "tenant" in d.labels}  # where each family's tenant label is
+# Each family's leading labels that a request's label set (TENANTED) holds, as positions in it: how a Series (series.py) binds them.
+LEADING = {d.name: tuple(TENANTED.index(label) for label in itertools.takewhile(TENANTED.__contains__, d.labels)) for d in METRICS}
 
 
 class ProxyMetrics:
@@ -181,7 +184,7 @@ class ProxyMetrics:
         tenanted = self.models.label_set(model, upstream, t.endpoint, stream, tenant)
         series = self._series.get(tenanted)
         if series is None:
-            series = self._series[tenanted] = Series(child, tenanted, not self.multiprocess)
+            series = self._series[tenanted] = Series(child, tenanted, not self.multiprocess, LEADING)
         series.observe("llmproxy_requests", t.api, t.outcome, str(t.status_code))(1)
         if t.unmeasured:
             child("llmproxy_unmeasured_requests", upstream, t.unmeasured).inc()

@@ -97,16 +97,16 @@ def observer(child: Any) -> Observe:
 
 
 class Series:
-    """The children of one request label set (its model, upstream, endpoint, stream and tenant), each made
-    on first use through `child` (ProxyMetrics.child: bound once, per label values) and kept here with its
-    direct observation, on cells when `cells` (one process; the event loop its only writer), else the
-    library's own (with workers: the multiprocess files)."""
+    """The children of one request label set (its model, upstream, endpoint, stream and tenant: metrics.TENANTED),
+    each made on first use through `child` (ProxyMetrics.child: bound once, per label values) and kept here with
+    its direct observation, on cells when `cells` (one process; the event loop its only writer), else the
+    library's own (with workers: the multiprocess files). `leading`: for each family, the positions in the set
+    of its leading labels (derived from metrics.METRICS, where each family's labels are defined once)."""
 
-    __slots__ = ("child", "cells", "tenanted", "key", "upstream", "stream", "endpoint", "_made")
+    __slots__ = ("child", "cells", "tenanted", "leading", "_made")
 
-    def __init__(self, child: Callable[..., Any], tenanted: tuple[str, ...], cells: bool) -> None:
-        self.child, self.cells, self.tenanted, self.key = child, cells, tenanted, tenanted[:4]
-        self.upstream, self.endpoint, self.stream = tenanted[1], tenanted[2], tenanted[3]
+    def __init__(self, child: Callable[..., Any], tenanted: tuple[str, ...], cells: bool, leading: dict[str, tuple[int, ...]]) -> None:
+        self.child, self.cells, self.tenanted, self.leading = child, cells, tenanted, leading
         self._made: dict[tuple[str, tuple[str, ...] | None], Any] = {}
 
     def observe(self, name: str, *labels: str) -> Observe:
@@ -133,26 +133,9 @@ class Series:
         return made
 
     def labels_of(self, name: str) -> tuple[str, ...]:
-        """The leading label values of the per-request families (metrics.METRICS): the whole set, its first
-        four, (upstream, endpoint, stream), or the upstream."""
-        return LEADING[name](self)
-
-
-LEADING: dict[str, Callable[[Series], tuple[str, ...]]] = {
-    "llmproxy_requests": lambda s: s.tenanted,
-    "llmproxy_request_duration_seconds": lambda s: s.tenanted,
-    "llmproxy_time_to_first_token_seconds": lambda s: s.tenanted,
-    "llmproxy_decode_tokens_per_second": lambda s: s.tenanted,
-    "llmproxy_prefill_tokens_per_second": lambda s: s.key,
-    "llmproxy_phase_seconds": lambda s: s.key,
-    "llmproxy_inter_chunk_latency_seconds": lambda s: s.key,
-    "llmproxy_inter_token_latency_seconds": lambda s: s.key,
-    "llmproxy_engine_prefill_seconds": lambda s: s.key,
-    "llmproxy_engine_time_per_output_token_seconds": lambda s: s.key,
-    "llmproxy_proxy_overhead_seconds": lambda s: (s.upstream, s.endpoint, s.stream),
-    "llmproxy_upstream_rtt_seconds": lambda s: (s.upstream,),
-    "llmproxy_upstream_connections": lambda s: (s.upstream,),
-}
+        """The family's leading label values taken from this set (the whole set, its first four, (upstream,
+        endpoint, stream), or the upstream)."""
+        return tuple(self.tenanted[i] for i in self.leading[name])
 
 
 def observe_many(child: Any, values: list[float], bounds: tuple[float, ...] = ()) -> None:

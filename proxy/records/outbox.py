@@ -83,6 +83,14 @@ def _serve(conn: Any, target: str, options: dict[str, Any], instance: str, boot:
             return
 
 
+def _drained(queue: collections.deque[Any]) -> list[Any]:
+    """What a deque holds, taken oldest first (popleft: safe beside another thread's append)."""
+    items = []
+    while queue:
+        items.append(queue.popleft())
+    return items
+
+
 class Outbox:
     """What the app holds as its records store: `add` on the request side (the finisher), `flush`,
     `recent` and `backend` for the readers, `close` at shutdown."""
@@ -175,9 +183,7 @@ class Outbox:
             if self._rest or self._stopping:  # (the thread finishes a message first, or closes: it takes these)
                 handed = True
                 return
-            rows = []
-            while self._queue:
-                rows.append(self._queue.popleft())
+            rows = _drained(self._queue)
             payload = ForkingPickler.dumps(("rows", rows))
             message = struct.pack("!i", len(payload)) + payload  # (multiprocessing's framing: the writer process's recv)
             try:
@@ -214,12 +220,7 @@ class Outbox:
             self._wake.clear()  # (before the queue is drained: a record added from here on sets it again, or is drained now)
             with self._wire:
                 rest, self._rest = self._rest, b""
-                rows = []
-                while self._queue:
-                    rows.append(self._queue.popleft())
-                flushes = []
-                while self._to_send:
-                    flushes.append(self._to_send.popleft())
+                rows, flushes = _drained(self._queue), _drained(self._to_send)
                 self._last = time.monotonic()
                 try:
                     if rest:

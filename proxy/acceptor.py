@@ -51,13 +51,13 @@ class Acceptor:
                     raise
                 self._pause(EXHAUSTED[exc.errno][0])
                 return
-            conn.setblocking(False)
             task = self.loop.create_task(self._adopt(conn))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
     async def _adopt(self, conn: socket.socket) -> None:
-        """uvloop adopts the accepted socket as it is (no second descriptor: tests/test_acceptor.py)."""
+        """uvloop adopts the accepted socket as it is (no second descriptor: tests/test_acceptor.py) and makes it
+        non-blocking itself (libuv's `uv_tcp_open`: a `setblocking` here would be a second system call for it)."""
         try:
             await self.loop.connect_accepted_socket(self.factory, conn)
         except OSError:

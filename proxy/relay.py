@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from starlette.types import Receive, Scope, Send
 
@@ -99,6 +99,7 @@ class Exchange:
         task = self.task = asyncio.current_task()
         assert task is not None
         watcher: asyncio.Task[None] | None = None
+        lost: set[Callable[[], None]] | None = self.stamps.get("lost")
         admitted, admission = False, app.admission
         try:
             # Who sent it, before anything can refuse it: a refused request is its tenant's too.
@@ -114,7 +115,10 @@ class Exchange:
             check_request(self.scope, app.client_keys)
             body = await read_body(self.scope, self.receive, app.settings, complete=bool(self.stamps["body_end_ns"]))
             t.body_end_ns = self.stamps["body_end_ns"] or now_ns()  # its last byte read off the socket
-            watcher = asyncio.create_task(self._watch(task))
+            if lost is not None:  # the server's protocol calls these when the client's connection closes (server.py)
+                lost.add(self._client_lost)
+            else:  # (another ASGI server: a task waits on `receive` for http.disconnect)
+                watcher = asyncio.create_task(self._watch(task))
             await self._relay(body)
         except ClientGone:
             t.outcome, t.status_code = "client_disconnect", t.status_code or 499
@@ -137,6 +141,8 @@ class Exchange:
             self.relaying = False
             if watcher is not None:
                 watcher.cancel()
+            elif lost is not None:
+                lost.discard(self._client_lost)
             if t.response_end_ns is None:
                 t.response_end_ns = now_ns()
             note_slow_client(t, self.stamps, self.response)
@@ -168,12 +174,17 @@ class Exchange:
         while True:
             message = await self.receive()
             if message["type"] == "http.disconnect":
-                # The openai client may close the connection once it read [DONE], before the
-                # upstream's end of stream is relayed: that request finished normally.
-                if self.relaying and not (self.reply is not None and self.reply.reader is not None and self.reply.reader.done):
-                    self.client_gone = True
-                    task.cancel()
+                self._client_lost()
                 return
+
+    def _client_lost(self) -> None:
+        """The client's connection closed: the request is cancelled, unless it was done already. (The openai
+        client may close the connection once it read [DONE], before the upstream's end of stream is relayed:
+        that request finished normally.)"""
+        if self.relaying and not (self.reply is not None and self.reply.reader is not None and self.reply.reader.done):
+            self.client_gone = True
+            if self.task is not None:
+                self.task.cancel()
 
     async def _relay(self, body: bytes) -> None:
         t, app, ctx = self.t, self.app, self.ctx

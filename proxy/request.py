@@ -21,7 +21,7 @@ HOP_BY_HOP = frozenset(
 
 
 class ClientGone(Exception):
-    """The client disconnected (while sending its body, or later, seen by the relay's watcher)."""
+    """The client disconnected (while sending its body; later, the server's protocol tells the relay: server.py)."""
 
 
 def header(headers: list[tuple[bytes, bytes]], name: bytes, default: Any) -> Any:

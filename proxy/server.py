@@ -9,7 +9,9 @@ It also stamps, in the protocol callback, when a
 request's first byte and its body's last byte were read off the socket (`STAMPS` in the scope's
 extensions): the request's `received_ns` and the end of the client's upload. Stamped when the
 request's task first runs instead, a burst's later requests would hide the time they waited
-behind the earlier ones, which is the proxy's own time. On SIGTERM uvicorn stops accepting connections at
+behind the earlier ones, which is the proxy's own time. It tells the relay when a client leaves
+mid-request (the "lost" stamp: no task per request waiting on the ASGI receive), and takes a
+connection's addresses from uvloop, which read them at the accept. On SIGTERM uvicorn stops accepting connections at
 once and lets in-flight requests finish for `--shutdown-grace` seconds. The event loop is uvloop
 with our own listener (`acceptor.py`).
 """
@@ -20,10 +22,13 @@ import logging
 import os
 import shutil
 import tempfile
-from typing import Any
+from typing import Any, Callable
 
 import uvicorn
+from uvicorn.logging import TRACE_LOG_LEVEL
+from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.utils import is_ssl
 
 from .config import Settings
 from .pump import BodyWriter
@@ -40,11 +45,21 @@ class GuardedHttpTools(HttpToolsProtocol):
     header_timeout = 10.0  # replaced from the environment in each process (workers too)
 
     def connection_made(self, transport: Any) -> None:
+        """uvicorn's, but for the addresses: uvloop read them once at the accept (`get_extra_info`), where
+        uvicorn's makes a socket object per address and asks the kernel again (four system calls a connection)."""
         self._read_ns = now_ns()
-        super().connection_made(transport)
+        self.connections.add(self)
+        self.transport, self.flow = transport, FlowControl(transport)
+        local = transport.get_extra_info("sockname")
+        self.server = address(local) or ((local, None) if isinstance(local, str) else None)  # (a Unix socket: its path)
+        self.client = address(transport.get_extra_info("peername"))
+        self.scheme = "https" if is_ssl(transport) else "http"
+        if self.logger.level <= TRACE_LOG_LEVEL:
+            self.logger.log(TRACE_LOG_LEVEL, "%sHTTP connection made", "%s:%d - " % self.client if self.client else "")
         self._header_timer: asyncio.TimerHandle | None = None
         self._heading = False  # a request began and its headers are not complete yet
         self._stamps: dict[str, Any] = {}
+        self._lost: set[Callable[[], None]] = set()  # the relay's, told when the client leaves mid-request
         self._arm()
 
     def data_received(self, data: bytes) -> None:
@@ -66,7 +81,9 @@ class GuardedHttpTools(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._stamps = {"first_byte_ns": self._read_ns, "body_end_ns": 0, "blocked": [], "paused_ns": 0}
+        # "lost": the relay's callbacks for a client that leaves mid-request, instead of a task per request waiting
+        # on the ASGI receive for http.disconnect (the set refers to no protocol: no cycle for the collector)
+        self._stamps = {"first_byte_ns": self._read_ns, "body_end_ns": 0, "blocked": [], "paused_ns": 0, "lost": self._lost}
         self.scope["extensions"] = {STAMPS: self._stamps}  # type: ignore[dict-item]
         self._heading = True  # (the deadline is armed only if this read ends before the headers do: data_received)
 
@@ -90,6 +107,10 @@ class GuardedHttpTools(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         self._stamps["body_end_ns"] = self._read_ns
         super().on_message_complete()
+        if not self.pipeline:
+            # Reading resumes, as the ASGI receive would once the app took the body (uvicorn pauses it past 64 KB of
+            # body): a client's close is seen only by reading, and the relay waits on no receive (the "lost" stamp).
+            self.flow.resume_reading()
 
     def on_headers_complete(self) -> None:
         self._heading = False
@@ -103,6 +124,15 @@ class GuardedHttpTools(HttpToolsProtocol):
         if self._header_timer is not None:
             self._header_timer.cancel()
         super().connection_lost(exc)
+        for lost in list(self._lost):
+            lost()
+
+
+def address(info: Any) -> tuple[str, int] | None:
+    """uvicorn's (host, port) of an IP address as uvloop keeps it (IPv4's pair, IPv6's four)."""
+    if isinstance(info, (tuple, list)) and len(info) >= 2:
+        return (str(info[0]), int(info[1]))
+    return None
 
 
 GuardedHttpTools.header_timeout = float(os.environ.get(HEADER_TIMEOUT_ENV, GuardedHttpTools.header_timeout))

@@ -50,7 +50,8 @@ now_ns = time.monotonic_ns
 # scope: scope["extensions"][STAMPS] = {"first_byte_ns", "body_end_ns" (0 until read), "blocked":
 # [(paused_ns, resumed_ns), ...] and "paused_ns" (0 unless now) when the client's connection stopped
 # taking bytes (its write buffer over the high-water mark: a slow reader) and took them again,
-# "writer": the body writer of the relay's fast way (pump.py)}; monotonic instants. Here, below both.
+# "writer": the body writer of the relay's fast way (pump.py), "lost": the callbacks the protocol calls
+# when the client's connection closes (the relay's, while its request runs)}; monotonic instants. Here, below both.
 STAMPS = "llmproxy.stamps"
 
 NS = 1_000_000_000

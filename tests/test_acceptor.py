@@ -66,3 +66,44 @@ def test_a_connection_accepted_with_the_last_descriptor_is_served():
         server.close()
 
     run(main())
+
+
+def test_the_server_protocol_gives_the_scope_the_addresses_uvicorns_would():
+    """server.py's `connection_made` takes the connection's addresses from uvloop (read once at the accept), not
+    from a socket object per address as uvicorn's does: the scope's `client` and `server` are still the socket's
+    own, over IPv4 and IPv6."""
+    import uvicorn
+
+    from proxy.server import GuardedHttpTools, QuietServer
+
+    seen: list[tuple[object, object]] = []
+
+    async def app(scope, receive, send) -> None:  # type: ignore[no-untyped-def]
+        if scope["type"] == "http":
+            seen.append((scope["client"], scope["server"]))
+            await send({"type": "http.response.start", "status": 204, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+
+    async def main(host: str) -> None:
+        config = uvicorn.Config(app, host=host, port=0, http=GuardedHttpTools, lifespan="off", log_level="warning")
+        server = QuietServer(config)
+        task = asyncio.create_task(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.01)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert (await reader.readline()).startswith(b"HTTP/1.1 204")
+        mine, theirs = writer.get_extra_info("sockname"), writer.get_extra_info("peername")
+        writer.close()
+        server.should_exit = True
+        await task
+        assert seen[-1] == ((mine[0], mine[1]), (theirs[0], theirs[1]))
+
+    run(main("127.0.0.1"))
+    try:
+        socket.create_server(("::1", 0), family=socket.AF_INET6).close()
+    except OSError:
+        return  # (no IPv6 loopback here)
+    run(main("::1"))
+    assert len(seen) == 2

@@ -163,8 +163,10 @@ def test_upstream_dropping_mid_stream_breaks_the_client_stream(proxy):
     assert record["outcome"] == "upstream_error" and record["error"].startswith("mid_stream")
 
 
-@pytest.mark.parametrize("when", ["before_first_token", "mid_stream", "non_streaming"])
+@pytest.mark.parametrize("when", ["before_first_token", "mid_stream", "non_streaming", "big_body"])
 def test_client_disconnect_closes_the_upstream_at_once(sim, proxy, when):
+    """The server's protocol tells the relay (server.py's "lost" stamp); `big_body`: a 300 KB body, past which
+    uvicorn pauses reading, so a close is seen only because reading resumes once the body is whole."""
     before = sim.stats()["disconnects"]
     headers = {"authorization": f"Bearer {KEY}", "x-sim-decode-tps": "50", "x-sim-ttft-ms": "0" if when == "mid_stream" else "2000"}
     if when == "non_streaming":  # no response headers until the end: leave from a raw socket
@@ -175,7 +177,8 @@ def test_client_disconnect_closes_the_upstream_at_once(sim, proxy, when):
                          f"content-length: {len(payload)}\r\n{head}\r\n".encode() + payload)
             time.sleep(0.3)
     else:
-        with httpx.stream("POST", f"{proxy.v1}/chat/completions", json=chat_body(200), headers=headers, timeout=30) as r:
+        body = chat_body(200, messages=[{"role": "user", "content": "word " * 60_000}]) if when == "big_body" else chat_body(200)
+        with httpx.stream("POST", f"{proxy.v1}/chat/completions", json=body, headers=headers, timeout=30) as r:
             if when == "mid_stream":
                 seen = 0
                 for part in r.iter_raw():

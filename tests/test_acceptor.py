@@ -107,3 +107,39 @@ def test_the_server_protocol_gives_the_scope_the_addresses_uvicorns_would():
         return  # (no IPv6 loopback here)
     run(main("::1"))
     assert len(seen) == 2
+
+
+def test_the_server_protocols_connection_made_sets_what_uvicorns_sets():
+    """server.py replaces uvicorn's `connection_made` (for the addresses): on one real connection, every attribute
+    uvicorn's sets is set here too, to the same value (a uvicorn that set more would fail this)."""
+    import uvicorn
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    from uvicorn.server import ServerState
+
+    from proxy.server import GuardedHttpTools
+
+    async def app(scope, receive, send) -> None:  # type: ignore[no-untyped-def]
+        return None
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        config = uvicorn.Config(app, lifespan="off", log_level="warning")
+        config.load()
+        state = ServerState()
+        with socket.create_server(("127.0.0.1", 0)) as listener, socket.create_connection(listener.getsockname()) as client:
+            conn, _ = listener.accept()
+            ours, theirs = GuardedHttpTools(config, state, {}, _loop=loop), HttpToolsProtocol(config, state, {}, _loop=loop)
+            transport, _ = await loop.connect_accepted_socket(lambda: ours, conn)
+            HttpToolsProtocol.connection_made(theirs, transport)
+            mine, base = vars(ours), vars(theirs)
+            assert set(base) <= set(mine)
+            for key, value in base.items():
+                if key == "flow":
+                    assert type(mine[key]) is type(value) and mine[key]._transport is value._transport
+                elif key != "parser":  # (each its own)
+                    assert mine[key] == value, key
+            assert mine["client"] == client.getsockname() and mine["server"] == client.getpeername()
+            transport.close()
+            await asyncio.sleep(0)
+
+    run(main())

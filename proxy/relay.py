@@ -118,7 +118,7 @@ class Exchange:
             if lost is not None:  # the server's protocol calls these when the client's connection closes (server.py)
                 lost.add(self._client_lost)
             else:  # (another ASGI server: a task waits on `receive` for http.disconnect)
-                watcher = asyncio.create_task(self._watch(task))
+                watcher = asyncio.create_task(self._watch())
             await self._relay(body)
         except ClientGone:
             t.outcome, t.status_code = "client_disconnect", t.status_code or 499
@@ -170,7 +170,7 @@ class Exchange:
             self.reply.pump = None
         self.response = self.reply = None
 
-    async def _watch(self, task: asyncio.Task[Any]) -> None:
+    async def _watch(self) -> None:
         while True:
             message = await self.receive()
             if message["type"] == "http.disconnect":

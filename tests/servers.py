@@ -192,7 +192,8 @@ class SpanCounter(SpanProcessor):
 class ProxyServer:
     """The proxy app in this process (so tests see its spans and registry), on a real socket."""
 
-    def __init__(self, upstream: str, **settings: Any) -> None:
+    def __init__(self, upstream: str, http: Any = GuardedHttpTools, **settings: Any) -> None:
+        """`http`: the server's protocol (another, e.g. uvicorn's own "httptools", stands for another ASGI server)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         # A records file of its own: the default is one per port, and a port freed by an earlier test's
@@ -206,7 +207,7 @@ class ProxyServer:
         provider.add_span_processor(self.spans)
         self.registry = CollectorRegistry()
         self.app = ProxyApp(self.settings, registry=self.registry, tracer_provider=provider)
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, loop="proxy.acceptor:new_event_loop", http=GuardedHttpTools,
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, loop="proxy.acceptor:new_event_loop", http=http,
                                 timeout_graceful_shutdown=self.settings.shutdown_grace,
                                 log_level="warning", access_log=False, server_header=False, date_header=False, proxy_headers=False)
         self.server = uvicorn.Server(config)

@@ -195,6 +195,26 @@ def test_client_disconnect_closes_the_upstream_at_once(sim, proxy, when):
     assert proxy.last_record()["outcome"] == "client_disconnect"
 
 
+def test_under_another_asgi_server_a_client_that_leaves_mid_stream_is_still_seen(sim, proxy_factory):
+    """Without server.py's protocol (uvicorn's own: no "lost" stamp, as under another ASGI server), a task waits
+    on the ASGI receive for http.disconnect instead: the upstream is closed at once all the same."""
+    proxy = proxy_factory(http="httptools")
+    before = sim.stats()["disconnects"]
+    headers = {"authorization": f"Bearer {KEY}", "x-sim-decode-tps": "50", "x-sim-ttft-ms": "0"}
+    with httpx.stream("POST", f"{proxy.v1}/chat/completions", json=chat_body(200), headers=headers, timeout=30) as r:
+        seen = 0
+        for part in r.iter_raw():
+            seen += part.count(b'"content":" ')
+            if seen >= 3:
+                break
+    closed_at = time.monotonic()
+    while sim.stats()["disconnects"] == before and time.monotonic() - closed_at < 2:
+        time.sleep(0.01)
+    assert sim.stats()["disconnects"] == before + 1
+    assert time.monotonic() - closed_at < 1.0
+    assert proxy.last_record()["outcome"] == "client_disconnect"
+
+
 def test_unparseable_body_is_forwarded_unchanged(sim, proxy):
     body = b'{"model": "sim-7b", "messages": [broken'
     direct = httpx.post(f"{sim.url}/v1/chat/completions", content=body, headers={"content-type": "application/json"})

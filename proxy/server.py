@@ -45,8 +45,8 @@ class GuardedHttpTools(HttpToolsProtocol):
     header_timeout = 10.0  # replaced from the environment in each process (workers too)
 
     def connection_made(self, transport: Any) -> None:
-        """uvicorn's, but for the addresses: uvloop read them once at the accept (`get_extra_info`), where
-        uvicorn's makes a socket object per address and asks the kernel again (four system calls a connection)."""
+        """uvicorn's, but for the addresses: uvloop read them once at the accept (`get_extra_info`), where uvicorn's
+        asks uvloop for its socket object, makes one per address and asks the kernel again (five system calls a connection)."""
         self._read_ns = now_ns()
         self.connections.add(self)
         self.transport, self.flow = transport, FlowControl(transport)

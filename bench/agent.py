@@ -130,9 +130,7 @@ def main() -> int:
         ports["before"] = free_port()
         commands["before"] = serve_command(args.before, "serve", "--upstream", f"{compare.SIM_URL}/v1", "--port", str(ports["before"]),
                                            "--records-db", str(db / "b.sqlite"), *args.proxy_args)
-    config = db / "envoy.yaml"
-    config.write_text(compare.ENVOY_CONFIG.format(port=ports["envoy"], sim_port=sim_port))
-    commands["envoy"] = [compare.ENVOY, "-c", str(config), "--concurrency", "1", "--log-level", "error", "--disable-hot-restart"]
+    commands["envoy"] = compare.envoy_command(ports["envoy"], sim_port)
     rows = []
     with contextlib.ExitStack() as stack:
         stack.enter_context(common.simulator(sim_port))

@@ -51,9 +51,7 @@ def main() -> int:
         ports[name] = free_port()
         commands[name] = serve_command(src, "serve", "--upstream", f"{compare.SIM_URL}/v1", "--port", str(ports[name]),
                                        "--records-db", str(Path(tempfile.mkdtemp()) / "r.sqlite"), *args.proxy_args)
-    config = Path(tempfile.mkdtemp()) / "envoy.yaml"
-    config.write_text(compare.ENVOY_CONFIG.format(port=ports["envoy"], sim_port=sim_port))
-    commands["envoy"] = [compare.ENVOY, "-c", str(config), "--concurrency", "1", "--log-level", "error", "--disable-hot-restart"]
+    commands["envoy"] = compare.envoy_command(ports["envoy"], sim_port)
     health = {name: f"http://127.0.0.1:{port}/{'health' if name == 'envoy' else 'healthz'}" for name, port in ports.items()}
     levels = [(streams, style == "fresh") for style in args.styles for streams in args.streams]
     figures: dict[str, dict[tuple[int, bool], list[float]]] = {name: {level: [] for level in levels} for name in ports}

@@ -342,14 +342,19 @@ static_resources:
 """
 
 
+def envoy_command(port: int, sim_port: int) -> list[str]:
+    """Envoy in front of `sim_port` on `port`, one worker thread (as the proxy runs one worker), measuring nothing:
+    its config written to a folder of its own, its command returned."""
+    config = Path(tempfile.mkdtemp()) / "envoy.yaml"
+    config.write_text(ENVOY_CONFIG.format(port=port, sim_port=sim_port))
+    return [ENVOY, "-c", str(config), "--concurrency", "1", "--log-level", "error", "--disable-hot-restart"]
+
+
 def run_envoy(port: int, sim_port: int, direct: tuple[int, str], args: argparse.Namespace,
               direct_sweep: dict[int, dict[str, Any]], direct_rps: dict[str, Any], direct_bursts: tuple[dict[str, Any], dict[str, Any]]) -> dict[str, Any]:
     """Envoy, the floor a relay can reach: a C++ proxy with a plain route to the same upstream,
     one worker thread (--concurrency 1, as the proxy runs one worker), measuring nothing."""
-    config = Path(tempfile.mkdtemp()) / "envoy.yaml"
-    config.write_text(ENVOY_CONFIG.format(port=port, sim_port=sim_port))
-    cmd = [ENVOY, "-c", str(config), "--concurrency", "1", "--log-level", "error", "--disable-hot-restart"]
-    with process(cmd, f"http://127.0.0.1:{port}/health") as proc:
+    with process(envoy_command(port, sim_port), f"http://127.0.0.1:{port}/health") as proc:
         return run_system((port, "/v1"), proc.pid, direct, args, direct_sweep, direct_rps, direct_bursts, "envoy 1.40.0 (--concurrency 1)")
 
 

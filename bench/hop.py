@@ -93,11 +93,8 @@ def main() -> int:
             if system == "direct":
                 target, context = upstream_port, None
             elif system == "envoy":
-                config = Path(tempfile.mkdtemp()) / "envoy.yaml"
-                config.write_text(compare.ENVOY_CONFIG.format(port=port, sim_port=upstream_port))
                 target = port
-                context = common.process([compare.ENVOY, "-c", str(config), "--concurrency", "1", "--log-level", "error", "--disable-hot-restart"],
-                                          f"http://127.0.0.1:{port}/health")
+                context = common.process(compare.envoy_command(port, upstream_port), f"http://127.0.0.1:{port}/health")
             else:
                 target = port
                 cmd = serve_command(args.before if system == "before" else str(ROOT), "serve", "--upstream", f"http://127.0.0.1:{upstream_port}/v1", "--port", str(port))

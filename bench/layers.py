@@ -57,11 +57,9 @@ def main() -> int:
     compare.SIM_URL = f"http://127.0.0.1:{sim_port}"
     names = ["envoy", "floor", "floor+asgi", "proxy", "proxy, no finish"]
     ports = {name: free_port() for name in names}
-    config = Path(tempfile.mkdtemp()) / "envoy.yaml"
-    config.write_text(compare.ENVOY_CONFIG.format(port=ports["envoy"], sim_port=sim_port))
     serve = ["serve", "--upstream", f"{compare.SIM_URL}/v1"]
     commands = {
-        "envoy": [compare.ENVOY, "-c", str(config), "--concurrency", "1", "--log-level", "error", "--disable-hot-restart"],
+        "envoy": compare.envoy_command(ports["envoy"], sim_port),
         "floor": [sys.executable, str(ROOT / "bench" / "floor.py"), str(ports["floor"]), str(sim_port)],
         "floor+asgi": [sys.executable, str(ROOT / "bench" / "floor.py"), str(ports["floor+asgi"]), str(sim_port), "--asgi"],
         "proxy": serve_command(str(ROOT), *serve, "--port", str(ports["proxy"]), "--records-db", str(Path(tempfile.mkdtemp()) / "r.sqlite")),

@@ -43,9 +43,7 @@ def main() -> int:
     with contextlib.ExitStack() as stack:
         stack.enter_context(common.simulator(sim))
         port = free_port()
-        config = db / "envoy.yaml"
-        config.write_text(compare.ENVOY_CONFIG.format(port=port, sim_port=sim))
-        envoy = [compare.ENVOY, "-c", str(config), "--concurrency", "1", "--log-level", "error", "--disable-hot-restart"]
+        envoy = compare.envoy_command(port, sim)
         relays = {"envoy": (port, stack.enter_context(common.process(envoy, f"http://127.0.0.1:{port}/health")).pid)}
         for name, src in zip(names[1:], args.sources):
             port = free_port()

@@ -321,9 +321,10 @@ def test_the_outbox_sleeps_while_idle_and_wakes_for_a_record(tmp_path):
 
 
 def test_on_the_event_loop_records_go_to_the_writer_process_without_waking_the_sender_thread(tmp_path):
-    """The finisher adds records on the event loop, which writes them to the pipe itself (at once, or at the end
-    of the `SEND_S` window): the sender thread is not scheduled at all (it once ran for each, 70-160 µs of CPU on
-    this VM per wake-up), and each record is stored, paced one by one or in a burst within one window."""
+    """The finisher adds records on the event loop, which writes them to the pipe itself, on a timer: the sender
+    thread is not scheduled at all (it once ran for each, 70-160 µs of CPU on this VM per wake-up). Records at an
+    agent's pace are held together until the oldest waited `HOLD_S` (a message wakes the writer process), a full
+    batch goes at once; each record is stored."""
     import asyncio
     import threading
 
@@ -338,16 +339,22 @@ def test_on_the_event_loop_records_go_to_the_writer_process_without_waking_the_s
         schedstat = Path(f"/proc/self/task/{sender.native_id}/schedstat")
         runs_before = int(schedstat.read_text().split()[2])  # (how many times the thread was put on a CPU)
 
+        held: list[int] = []
+
         async def agent_pace() -> None:
-            for i in range(10):  # one at a time, each after the window: each sent at once
+            for i in range(10):  # one at a time, each after the window: held together
                 outbox.add(outbox_record(i))
                 await asyncio.sleep(outbox_module.SEND_S * 2)
-            for i in range(10, 20):  # a burst in one window: the first at once, the rest at the window's end
+            held.append(len(outbox._queue))
+            await asyncio.sleep(outbox_module.HOLD_S)  # the oldest waited HOLD_S: all ten went in one message
+            held.append(len(outbox._queue))
+            for i in range(10, 10 + outbox_module.HOLD_RECORDS):  # a full batch: at once
                 outbox.add(outbox_record(i))
-            await asyncio.sleep(outbox_module.SEND_S * 3)
+            held.append(len(outbox._queue))
 
         asyncio.run(agent_pace())
-        assert until(lambda: stored(outbox) == 20)
+        assert held == [10, 0, 0]
+        assert until(lambda: stored(outbox) == 10 + outbox_module.HOLD_RECORDS)
         assert int(schedstat.read_text().split()[2]) - runs_before == 0
         assert not errors
     finally:
@@ -363,6 +370,7 @@ def test_a_writer_process_killed_is_replaced_and_the_records_after_it_are_stored
     import os
     import signal
 
+    from proxy.records import outbox as outbox_module
     from proxy.records.outbox import Outbox
 
     path = str(tmp_path / "records.sqlite")
@@ -385,6 +393,7 @@ def test_a_writer_process_killed_is_replaced_and_the_records_after_it_are_stored
             for i in range(1, 4):
                 outbox.add(outbox_record(i))
                 await asyncio.sleep(0.05)
+            await asyncio.sleep(outbox_module.HOLD_S)  # (held until then: the loop's own send finds the pipe broken)
 
         if on_loop:
             asyncio.run(on_the_loop())

@@ -250,6 +250,59 @@ def test_a_writer_killed_with_its_records_buffered_is_counted_by_the_next(target
     later.close()
 
 
+HOLDING = """
+import asyncio, sys, time
+sys.path.insert(0, {root!r})
+from proxy.records import outbox
+outbox.HOLD_S = 3600.0  # (what is added next stays held until the kill)
+box = outbox.Outbox({target!r}, {{"password_file": {password!r}}}, "holding", 10_000, 10**8, lambda: None, lambda *a: None)
+def record(i):
+    return {{"endpoint": "chat", "outcome": "ok", "model": "m", "upstream": "u", "api": "openai", "received_unix_ns": time.time_ns(),
+             "duration_s": 0.1}}
+for i in range(30):
+    box.add(record(i))
+box.flush(timeout=30)
+async def hold():
+    for i in range(5):  # on the loop, as the finisher adds them: numbered, held, never handed over
+        box.add(record(i))
+    print("ready", flush=True)
+    await asyncio.sleep(3600)
+asyncio.run(hold())
+"""
+
+
+def test_records_held_in_the_serving_process_at_a_kill_9_are_counted_by_the_next(target, tmp_path):
+    """The serving process holds records before it hands them to its writer process (outbox.py); kill -9 with 5
+    held: its writer process, left alone, ends with the boot's figures (the 5 numbered, in shared memory), and the
+    next writer counts exactly those 5 lost, once; the store keeps the 30 handed over before."""
+    import contextlib
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from servers import ROOT
+
+    code = HOLDING.format(root=str(ROOT), target=target[0], password=target[1])
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert process.stdout is not None and process.stdout.readline().strip() == "ready"
+    os.kill(process.pid, signal.SIGKILL)  # (the serving process only: its writer process sees the pipe end)
+    process.wait()
+    lost: list[int] = []
+    counted = Counted()
+    writer = Writer(open_backend(target[0], password_file=target[1]), "next", 1000, 10**7, counted.error, counted.drop, on_lost=lost.append)
+    try:
+        deadline = time.monotonic() + 20
+        while not lost and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        writer.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)  # (its fork server, if still there)
+    assert lost == [5]
+    assert sum(1 for r in stored(target) if r["id"].startswith("holding/")) == 30
+
+
 def counts(backend: Any, start_ns: int) -> tuple[int, int]:
     """(records the rollup counts in the window, records its histograms count: the prompt figure, every ok one's)."""
     from proxy.records import columns as C

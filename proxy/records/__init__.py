@@ -99,7 +99,7 @@ class Backend(Protocol):
     def maintain(self) -> tuple[int, int]: ...  # on its own connection: retention, partitions, compaction, migrations, boots
     # (records a crash lost, newly accounted; rows of an older schema that were no record, dropped)
 
-    def closed(self) -> None: ...  # the writer stops cleanly: its boot closed
+    def closed(self, clean: bool = True) -> None: ...  # the writer stops: its boot closed (not clean: its last figures)
 
     def close(self) -> None: ...
 

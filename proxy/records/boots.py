@@ -8,8 +8,10 @@ record, the shutdown deadline); its maintenance pass does the same every few sec
 is gone (on this host: its process no longer there; elsewhere: not seen for `STALE_S`) lost what it had
 numbered and never wrote nor counted: `assigned - written - dropped`, the records it held when it was
 killed. The first writer (or `explain`, a reader) to see it marks it `lost` with that count, once (the
-UPDATE is conditional), and `llmproxy_records_lost_total` counts it. Records a writer numbered after its
-last batch or pass (under a second's worth) are beyond what the store can know.
+UPDATE is conditional), and `llmproxy_records_lost_total` counts it. A serving process's records count as
+numbered when they are made, before they are handed to its writer process (outbox.py), so a kill -9 of that
+process counts those it still held. Records numbered after the last batch or pass of a writer killed too
+(under a second's worth) are beyond what the store can know.
 """
 from __future__ import annotations
 
@@ -50,7 +52,12 @@ def upsert(dialect: Dialect, tally: Tally, written: int, now_ns: int) -> tuple[s
                                     tally.dropped, now_ns)
 
 
-def close(dialect: Dialect, tally: Tally, now_ns: int) -> tuple[str, tuple[Any, ...]]:
+def close(dialect: Dialect, tally: Tally, now_ns: int, clean: bool = True) -> tuple[str, tuple[Any, ...]]:
+    """The boot's last figures: closed (a clean stop), or left running for the next pass to account (its serving
+    process killed: what was numbered and never handed over is then counted too)."""
+    if not clean:
+        return dialect.sql("UPDATE llmproxy_boots SET assigned = ?, dropped = ?, seen_ns = ? WHERE boot = ? AND state = 'running'"), \
+            (tally.assigned, tally.dropped, now_ns, tally.boot)
     return dialect.sql("UPDATE llmproxy_boots SET assigned = ?, dropped = ?, seen_ns = ?, state = 'closed' WHERE boot = ?"), \
         (tally.assigned, tally.dropped, now_ns, tally.boot)
 

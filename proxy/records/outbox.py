@@ -4,22 +4,29 @@ Why a process: what a record costs beyond its JSON (its typed columns, its compr
 driver encoding the batch, SQLite's own inserting and indexing in-process) held the serving process's
 GIL and CPU: 65 µs a record, 13% fewer short requests a second (bench/records_cost.py). Here the
 serving process only names the record, serialises it once (orjson) and queues it; what is queued goes to
-the writer process over a pipe, at most once per `SEND_S` (one message a batch), where a `Writer`
+the writer process over a pipe, one message a batch, where a `Writer`
 (records/__init__.py: its bounded buffer, batches, retries, maintenance, boots) does the rest, and reports back
 what the metrics count (written, dropped by reason, errors, records lost by crashes, what it buffers). Reads
 (`recent`, the summaries) go to the store directly, from this process.
 
+When: once `HOLD_RECORDS` are queued (at most one message per `SEND_S` under load), or once the oldest has
+waited `HOLD_S`. Each message wakes the writer process, and at a coding agent's pace (a request every 150 ms)
+a message a record cost more CPU than the rest of the record's way to the store: 0.48 against 0.25 ms a request
+in the writer process (bench/RESULTS.md). What a record waits for is bounded by both: a kill -9 finds at most
+`HOLD_RECORDS` (or `SEND_S` of them, under load) not handed over, and counts them (below).
+
 Who sends: on the event loop (the finisher adds records there), the loop itself, with a write that never
-waits (`MSG_DONTWAIT`), at once or on a timer at the end of the `SEND_S` window. A sender thread woken for
+waits (`MSG_DONTWAIT`), at once or on a timer. A sender thread woken for
 each message cost more than the record (on this VM a thread's wake-up is 70-160 µs of CPU, against a
 few for the write). The sender thread does the rest: what a full pipe would block on (the loop hands it the
 message, the part not written first), flushes and the close (from other threads), records added off the loop,
 and a dead writer process replaced. One lock keeps their messages whole on the pipe.
 
 A kill -9 of the serving process ends the pipe: the writer process writes what it holds (within
-`ORPHAN_S`) and leaves its boot running, so that the next maintenance pass anywhere counts what the
-crash lost (boots.py): only the records of its last `SEND_S` were never handed over. The writer process
-dying is noticed by the sender: a new one is started, and what the dead one held is counted by its boot.
+`ORPHAN_S`) and leaves its boot running with its last figures, so that the next maintenance pass anywhere
+counts what the crash lost (boots.py). The records it never handed over are counted too: each is numbered,
+in memory both processes share (`assigned`), when it is made. The writer process dying is noticed by the
+sender: a new one is started, and what the dead one held is counted by its boot.
 """
 from __future__ import annotations
 
@@ -41,12 +48,14 @@ from .columns import ended_ns
 
 log = logging.getLogger("llmproxy.records")
 
-SEND_S = 0.01  # what waits in the serving process before it is handed to the writer process
+SEND_S = 0.01  # under load, at most one message per SEND_S
+HOLD_S = 1.0  # the longest a record waits in the serving process
+HOLD_RECORDS = 64  # a message goes once this many are queued (or the oldest waited HOLD_S)
 FLUSH_S = 2.0  # a flush waits this long at most
 ORPHAN_S = 5.0  # what the writer process may take to write what it holds once the serving process is gone
 
 
-def _serve(conn: Any, target: str, options: dict[str, Any], instance: str, boot: str, limits: tuple[int, int]) -> None:
+def _serve(conn: Any, target: str, options: dict[str, Any], instance: str, boot: str, limits: tuple[int, int], assigned: Any) -> None:
     """The writer process: rows from the pipe into a Writer; what it counts back up the pipe."""
     try:
         os.nice(5)  # (below the serving process: its relay first)
@@ -63,7 +72,7 @@ def _serve(conn: Any, target: str, options: dict[str, Any], instance: str, boot:
 
     writer = Writer(open_backend(target, **options), instance, limits[0], limits[1], lambda: report("error"),
                     lambda reason, n: report("drop", reason, n), lambda stored, waiting: report("batch", stored, waiting),
-                    on_lost=lambda n: report("lost", n), boot=boot)
+                    on_lost=lambda n: report("lost", n), boot=boot, assigned=lambda: int(assigned.value))
     while True:
         try:
             message = conn.recv()
@@ -118,6 +127,11 @@ class Outbox:
         self._last = 0.0  # when the last message went (monotonic)
         self._timer: asyncio.TimerHandle | None = None  # the loop's send at the end of the window
         self._due = 0.0  # when it is due (monotonic)
+        self._since = 0.0  # when the oldest record queued was added (monotonic)
+        self._urgent = False  # the loop handed what is queued to the sender thread: due now
+        # How far this process has numbered its records, in shared memory: what its writer process writes as its boot's
+        # `assigned`, so that records a kill -9 finds queued here are counted (boots.py).
+        self._assigned = multiprocessing.get_context("forkserver").RawValue("q", 0)
         self._rest = b""  # a message the loop began to write and the sender thread finishes
         self._socket: socket.socket | None = None  # the pipe's socket, for the loop's writes
         self._start()
@@ -130,7 +144,8 @@ class Outbox:
         context = multiprocessing.get_context("forkserver")  # (forked from a server of its own: no thread of this process copied)
         context.set_forkserver_preload(["proxy.records.outbox"])
         self._conn, child = context.Pipe(duplex=True)
-        self._process = context.Process(target=_serve, args=(child, self.target, self.options, self.instance, self.boot, self.limits),
+        self._process = context.Process(target=_serve, args=(child, self.target, self.options, self.instance, self.boot, self.limits,
+                                                             self._assigned),
                                         name="llmproxy-records", daemon=True)  # (not joined at exit; a kill -9 of this one leaves it to finish)
         self._process.start()
         child.close()
@@ -150,6 +165,7 @@ class Outbox:
             return
         queue = self._queue
         queue.append(item)
+        self._assigned.value = seq
         if len(queue) > self.limits[0]:  # (a writer process that stopped reading: the oldest go, counted, as in its own buffer)
             queue.popleft()
             self.on_drop("buffer_full", 1)
@@ -157,16 +173,30 @@ class Outbox:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             loop = None
+        now, queued = time.monotonic(), len(queue)
+        if queued == 1:
+            self._since = now
         if loop is not None:
-            now = time.monotonic()
-            if self._timer is None or now > self._due + 1.0:  # (else the window's send takes this one too; one of a loop gone: not)
-                left = self._last + SEND_S - now
-                if left > 0:
-                    self._timer, self._due = loop.call_later(left, self._send_now), now + left
+            due, timer = self._due_at(queued), self._timer
+            if timer is not None and (due < self._due or now > self._due + 1.0):  # (due sooner now; or the timer of a loop gone)
+                timer.cancel()
+                timer = self._timer = None
+            if timer is None:
+                if due > now:
+                    self._timer, self._due = loop.call_later(due - now, self._send_now), due
                 else:
                     self._send_now()
-        elif len(queue) == 1:  # (it was empty: once per batch, not per record; a drain that took it already is harmless)
+        elif queued == 1 or queued == HOLD_RECORDS:  # (once per batch, not per record; a drain that took it already is harmless)
             self._wake.set()
+            if queued == HOLD_RECORDS:
+                with self._cond:
+                    self._cond.notify_all()  # (the sender thread holds the batch: it is due now)
+
+    def _due_at(self, queued: int) -> float:
+        """When what is queued goes (monotonic): HOLD_RECORDS of them at the next SEND_S window, fewer once the oldest
+        waited HOLD_S."""
+        window = self._last + SEND_S
+        return window if queued >= HOLD_RECORDS else max(window, self._since + HOLD_S)
 
     def _send_now(self) -> None:
         """On the loop: what is queued, as one message, written without waiting. What the pipe does not take
@@ -202,20 +232,22 @@ class Outbox:
         finally:
             self._wire.release()
             if handed:
+                self._urgent = True
                 self._wake.set()
 
     def _send(self) -> None:
-        """The sender thread (the loop sends its own records: `_send_now`). What is queued, in one message: at once
-        when the last went `SEND_S` ago or more, else when `SEND_S` has passed since (at most one message per
-        `SEND_S` under load); a flush or the close at once. Asleep while nothing is queued: a thread that woke
-        every `SEND_S` regardless cost an idle proxy 8 ms of CPU a second and took the GIL from the relay 100
-        times a second. A dead writer process is replaced."""
+        """The sender thread (the loop sends its own records: `_send_now`). What is queued, in one message, when it is
+        due (`_due_at`); what the loop handed over, a flush or the close at once. Asleep while nothing is queued: a
+        thread that woke every `SEND_S` regardless cost an idle proxy 8 ms of CPU a second and took the GIL from the
+        relay 100 times a second. A dead writer process is replaced."""
         while True:
             self._wake.wait()
             with self._cond:
-                left = self._last + SEND_S - time.monotonic()
-                if left > 0 and not (self._stopping or self._to_send):
-                    self._cond.wait(left)  # (the batch's window; a flush or the close cuts it short)
+                if not (self._stopping or self._to_send or self._urgent or self._rest):
+                    left = self._due_at(len(self._queue)) - time.monotonic()
+                    if left > 0:
+                        self._cond.wait(left)  # (the batch's wait; a flush, the close or a full batch cuts it short)
+                self._urgent = False
                 stopping = self._stopping
             self._wake.clear()  # (before the queue is drained: a record added from here on sets it again, or is drained now)
             with self._wire:

@@ -232,11 +232,12 @@ class PostgresBackend:
                 self.maint.close()
             raise Unavailable(_scrubbed(exc, self.url)) from None
 
-    def closed(self) -> None:
-        """A clean stop: this writer's boot closed with its last figures (nothing it numbered is unaccounted)."""
+    def closed(self, clean: bool = True) -> None:
+        """The writer stops: its boot closed with its last figures, nothing it numbered unaccounted (not `clean`: left
+        running, for a pass to account)."""
         if self.conn is not None and self.tally is not None:
             try:
-                self.conn.execute(*boots.close(A.POSTGRES, self.tally(), now_ns(self.conn)))
+                self.conn.execute(*boots.close(A.POSTGRES, self.tally(), now_ns(self.conn), clean))
             except psycopg.Error:
                 pass  # (unreachable at the end: its boot is accounted as lost later, with what it could not write)
 

@@ -225,13 +225,13 @@ class SQLiteBackend:
                 self.maint = None
             raise Unavailable(str(exc)) from None
 
-    def closed(self) -> None:
-        """A clean stop: this writer's boot closed with its last figures."""
+    def closed(self, clean: bool = True) -> None:
+        """The writer stops: its boot closed with its last figures (not `clean`: left running, for a pass to account)."""
         if self.db is not None and self.tally is not None:
             try:
                 with self.db:
                     self.db.execute("BEGIN IMMEDIATE")
-                    self.db.execute(*boots.close(A.SQLITE, self.tally(), time.time_ns()))
+                    self.db.execute(*boots.close(A.SQLITE, self.tally(), time.time_ns(), clean))
             except sqlite3.Error:
                 pass  # (its boot is accounted as lost later, with what it could not write)
 

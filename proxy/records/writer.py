@@ -35,12 +35,14 @@ class Writer:
 
     def __init__(self, backend: Backend, instance: str, max_records: int, max_bytes: int, on_error: Callable[[], None],
                  on_drop: Callable[[str, int], None], on_batch: Callable[[int, int], None] | None = None, batch: int = BATCH,
-                 retain: bool = True, on_lost: Callable[[int], None] | None = None, boot: str = "") -> None:
+                 retain: bool = True, on_lost: Callable[[int], None] | None = None, boot: str = "",
+                 assigned: Callable[[], int] | None = None) -> None:
         """`on_drop(reason, count)`; `on_batch(written, buffered)` after each batch (the metrics);
         `batch`: rows per transaction at most; without `retain`, no maintenance pass and no boot of its own
         (an import, which compacts once at its end); `on_lost(count)`: records crashed writers lost, as this
         writer's maintenance accounts them (boots.py); `boot`: the numbering its records' ids carry (outbox.py: the
-        serving process's), else its own."""
+        serving process's), else its own; `assigned`: how far that numbering has gone, records not handed over yet
+        included (outbox.py: the serving process's count, in shared memory), else the newest added."""
         self.backend, self.instance = backend, instance
         self.max_records, self.max_bytes = max(1, max_records), max(1, max_bytes)
         self.on_error, self.on_drop, self.on_batch, self.on_lost = on_error, on_drop, on_batch, on_lost
@@ -55,6 +57,7 @@ class Writer:
         self._in_flight: list[Row] = []
         self._seq = itertools.count(1)
         self._last = 0  # the newest seq added
+        self._assigned = assigned
         self._boot = boot or f"{os.getpid()}/{time.time_ns()}"
         self._urgent = False  # a flush is waiting: write now, do not wait for a fuller batch
         self._stopping = False
@@ -75,7 +78,8 @@ class Writer:
 
     def tally(self) -> Tally:
         """This writer's figures now, for its boot's row."""
-        return Tally(self._boot, self.instance, host(), os.getpid(), self.started_ns, self._last, self.dropped)
+        assigned = self._last if self._assigned is None else max(self._last, self._assigned())
+        return Tally(self._boot, self.instance, host(), os.getpid(), self.started_ns, assigned, self.dropped)
 
     def _drop(self, reason: str, count: int) -> None:
         self.dropped += count
@@ -331,8 +335,8 @@ class Writer:
     def _end(self) -> None:
         if self._upkeep is not None:
             self._upkeep.join(10.0)
-        if self.connected and self._clean:
-            self.backend.closed()
+        if self.connected:
+            self.backend.closed(self._clean)  # (not clean: its last figures, the boot left running for a pass to account)
         with self._cond:
             left = len(self._buffer) + len(self._in_flight)
             self._buffer.clear()

@@ -64,7 +64,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 def descendants(pid: int) -> list[int]:
-    """Every live process under `pid` (its records writer, forked from its fork server), from /proc."""
+    """Every live process under `pid` (its records writer, its tokenizer worker), from /proc."""
     parents: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():

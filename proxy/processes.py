@@ -58,9 +58,9 @@ def started(args: list[str], health_url: str, env: dict[str, str] | None = None,
 
 def serve_command(src: str, *args: str) -> list[str]:
     """`llm-latency-proxy ARGS` run from the checkout at `src` (benchmarks: a before/after on one machine). `src` goes
-    first on the path of the processes it starts too: the records writer's fork server is a fresh interpreter that
-    does not take its parent's path (Python 3.11), so it imported the `outbox` of the working directory or of the
-    installed checkout, and before/after runs measured this tree's records process for both, or none at all (a
+    first on the path of any fresh interpreter it starts too: a checkout whose records writer runs under a fork server
+    (which does not take its parent's path, on Python 3.11) imported the `outbox` of the working directory or of the
+    installed checkout, so before/after runs measured this tree's records process for both, or none at all (a
     writer process of another version, crashing at its start)."""
     where = os.path.abspath(src)
     return [sys.executable, "-c", f"import os, sys; sys.path.insert(0, {where!r}); "

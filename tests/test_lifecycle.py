@@ -42,6 +42,27 @@ def test_sigterm_drains_in_flight_streams_and_refuses_new_ones(sim):
     assert isinstance(body, bytes) and body.count(b'"content":" ') == 20 and body.endswith(b"data: [DONE]\n\n")
 
 
+def test_a_proxy_stopped_by_sigterm_leaves_nothing_in_its_temporary_folder(sim, tmp_path):
+    """Its records process and tokenizer worker in use, then SIGTERM, as an orchestrator stops it: its temporary
+    folder is empty again (the records writer's fork server once left its listener's folder there at every stop:
+    uvicorn re-raises the signal after its shutdown, so no exit handler runs)."""
+    port, temporary = free_port(), tmp_path / "tmp"
+    temporary.mkdir()
+    proc = Process(["serve", "--upstream", f"{sim.url}/v1", "--port", str(port), "--records-db", str(tmp_path / "records.sqlite")],
+                   f"http://127.0.0.1:{port}/healthz", {"TMPDIR": str(temporary)})
+    try:
+        long_prompt = {**BODY, "messages": [{"role": "user", "content": "word " * 5000}], "max_tokens": 3}  # (counted by the worker)
+        assert httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=long_prompt, timeout=30).status_code == 200
+        deadline = time.monotonic() + 20  # (its record is made once the worker counted the prompt; a read flushes the records process)
+        while not httpx.get(f"http://127.0.0.1:{port}/llmproxy/requests", timeout=10).json():
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    finally:
+        proc.process.send_signal(signal.SIGTERM)
+        assert proc.process.wait(timeout=15) in (0, -signal.SIGTERM)
+    assert sorted(path.name for path in temporary.iterdir()) == []
+
+
 def test_an_otlp_endpoint_that_refuses_costs_clients_nothing(sim):
     def ttfts(port: int) -> list[float]:
         out = []

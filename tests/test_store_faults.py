@@ -298,7 +298,7 @@ def test_records_held_in_the_serving_process_at_a_kill_9_are_counted_by_the_next
     finally:
         writer.close()
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)  # (its fork server, if still there)
+            os.killpg(process.pid, signal.SIGKILL)  # (its writer process, if still there)
     assert lost == [5]
     assert sum(1 for r in stored(target) if r["id"].startswith("holding/")) == 30
 
@@ -412,7 +412,7 @@ def test_a_kill_9_under_load_is_counted_on_restart(pg, sim, tmp_path):
         for _ in range(90):
             assert httpx.post(f"{url}/v1/chat/completions", json=body, headers={"x-sim-ttft-ms": "1"}, timeout=30).status_code == 200
         time.sleep(7.0)  # (its maintenance pass, every 5 s, writes how far it has numbered)
-        os.killpg(first.pid, signal.SIGKILL)  # the serving process, its fork server and its writer process
+        os.killpg(first.pid, signal.SIGKILL)  # the serving process and its writer process
         first.wait()
         holder.execute("ROLLBACK")
     stored = execute((dsn, str(pg.password_file)), "SELECT count(*) FROM llmproxy_records WHERE instance = 'first'")[0][0]

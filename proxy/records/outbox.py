@@ -34,12 +34,14 @@ import asyncio
 import collections
 import itertools
 import logging
+import mmap
 import multiprocessing
 import os
 import socket
 import struct
 import threading
 import time
+from multiprocessing import reduction
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable
 
@@ -55,7 +57,58 @@ FLUSH_S = 2.0  # a flush waits this long at most
 ORPHAN_S = 5.0  # what the writer process may take to write what it holds once the serving process is gone
 
 
-def _serve(conn: Any, target: str, options: dict[str, Any], instance: str, boot: str, limits: tuple[int, int], assigned: Any) -> None:
+class Count:
+    """How far the serving process has numbered its records, in 8 bytes both processes map (a memfd's page): written
+    by the serving process for each record, read by its writer process for its boot's figures. The memfd's own
+    descriptor is closed once a writer process has it (`handed`), so the mapping's is the only one the serving
+    process keeps: as many as the fork server it replaced (its descriptors are what `--max-connections` is sized
+    from, admission.py). Each writer process started gets a fresh memfd holding the number so far."""
+
+    __slots__ = ("_fd", "_view")
+
+    def __init__(self) -> None:
+        self._fd = -1
+        self._view: memoryview | None = None
+
+    @property
+    def value(self) -> int:
+        view = self._view
+        return int(view[0]) if view is not None else 0
+
+    def set(self, value: int) -> None:
+        view = self._view
+        if view is not None:
+            view[0] = value
+
+    def open(self) -> None:
+        """A fresh memfd holding the number so far, for a writer process about to start. (The old mapping is only let
+        go of: the loop may be writing to it this instant, from another thread.)"""
+        value, fd = self.value, os.memfd_create("llmproxy-records-assigned")
+        os.ftruncate(fd, 8)
+        view = memoryview(mmap.mmap(fd, 8)).cast("q")
+        view[0] = value
+        self.handed()
+        self._fd, self._view = fd, view
+
+    def handed(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _attached, (reduction.DupFd(self._fd),)  # (its descriptor, passed to the process being started)
+
+
+def _attached(holder: Any) -> Count:
+    """In the writer process: the serving process's count, mapped."""
+    fd = holder.detach()
+    count = Count()
+    count._view = memoryview(mmap.mmap(fd, 8)).cast("q")
+    os.close(fd)
+    return count
+
+
+def _serve(conn: Any, target: str, options: dict[str, Any], instance: str, boot: str, limits: tuple[int, int], assigned: Count) -> None:
     """The writer process: rows from the pipe into a Writer; what it counts back up the pipe."""
     try:
         os.nice(5)  # (below the serving process: its relay first)
@@ -72,7 +125,7 @@ def _serve(conn: Any, target: str, options: dict[str, Any], instance: str, boot:
 
     writer = Writer(open_backend(target, **options), instance, limits[0], limits[1], lambda: report("error"),
                     lambda reason, n: report("drop", reason, n), lambda stored, waiting: report("batch", stored, waiting),
-                    on_lost=lambda n: report("lost", n), boot=boot, assigned=lambda: int(assigned.value))
+                    on_lost=lambda n: report("lost", n), boot=boot, assigned=lambda: assigned.value)
     while True:
         try:
             message = conn.recv()
@@ -131,7 +184,7 @@ class Outbox:
         self._urgent = False  # the loop handed what is queued to the sender thread: due now
         # How far this process has numbered its records, in shared memory: what its writer process writes as its boot's
         # `assigned`, so that records a kill -9 finds queued here are counted (boots.py).
-        self._assigned = multiprocessing.get_context("forkserver").RawValue("q", 0)
+        self._assigned = Count()
         self._rest = b""  # a message the loop began to write and the sender thread finishes
         self._socket: socket.socket | None = None  # the pipe's socket, for the loop's writes
         self._start()
@@ -141,13 +194,17 @@ class Outbox:
     def _start(self) -> None:
         if self._socket is not None:
             self._socket.close()  # (the dead writer process's)
-        context = multiprocessing.get_context("forkserver")  # (forked from a server of its own: no thread of this process copied)
-        context.set_forkserver_preload(["proxy.records.outbox"])
+        # A fresh interpreter (spawn): no thread of this process copied, and this process's path. (A fork server, before,
+        # took neither the path nor the temporary folder away: it imported whatever `proxy` its working directory held, and
+        # each proxy stopped by SIGTERM left its listener's folder in /tmp.)
+        context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe(duplex=True)
         self._process = context.Process(target=_serve, args=(child, self.target, self.options, self.instance, self.boot, self.limits,
                                                              self._assigned),
                                         name="llmproxy-records", daemon=True)  # (not joined at exit; a kill -9 of this one leaves it to finish)
+        self._assigned.open()
         self._process.start()
+        self._assigned.handed()
         child.close()
         self._socket = socket.socket(fileno=os.dup(self._conn.fileno()))  # (the loop's writes: MSG_DONTWAIT, the fd stays blocking)
         self._receiver = threading.Thread(target=self._receive, args=(self._conn,), name="llmproxy-records-receive", daemon=True)
@@ -165,7 +222,7 @@ class Outbox:
             return
         queue = self._queue
         queue.append(item)
-        self._assigned.value = seq
+        self._assigned.set(seq)
         if len(queue) > self.limits[0]:  # (a writer process that stopped reading: the oldest go, counted, as in its own buffer)
             queue.popleft()
             self.on_drop("buffer_full", 1)

@@ -337,8 +337,17 @@ def test_on_the_event_loop_records_go_to_the_writer_process_without_waking_the_s
     try:
         sender = next(t for t in threading.enumerate() if t.name == "llmproxy-records-send")
         schedstat = Path(f"/proc/self/task/{sender.native_id}/schedstat")
-        runs_before = int(schedstat.read_text().split()[2])  # (how many times the thread was put on a CPU)
 
+        def runs() -> int:
+            return int(schedstat.read_text().split()[2])  # (how many times the thread was put on a CPU)
+
+        def asleep() -> bool:  # (its start over: it waits for a record, a flush or the close, and runs no more)
+            before = runs()
+            time.sleep(0.2)
+            return runs() == before
+
+        assert until(asleep)
+        runs_before = runs()
         held: list[int] = []
 
         async def agent_pace() -> None:
@@ -355,7 +364,7 @@ def test_on_the_event_loop_records_go_to_the_writer_process_without_waking_the_s
         asyncio.run(agent_pace())
         assert held == [10, 0, 0]
         assert until(lambda: stored(outbox) == 10 + outbox_module.HOLD_RECORDS)
-        assert int(schedstat.read_text().split()[2]) - runs_before == 0
+        assert runs() - runs_before == 0
         assert not errors
     finally:
         outbox.close()

@@ -11,7 +11,7 @@ what the metrics count (written, dropped by reason, errors, records lost by cras
 
 When: once `HOLD_RECORDS` are queued (at most one message per `SEND_S` under load), or once the oldest has
 waited `HOLD_S`. Each message wakes the writer process, and at a coding agent's pace (a request every 150 ms)
-a message a record cost more CPU than the rest of the record's way to the store: 0.48 against 0.25 ms a request
+a message a record cost more CPU than the rest of the record's way to the store: 0.51 against 0.23 ms a request
 in the writer process (bench/RESULTS.md). What a record waits for is bounded by both: a kill -9 finds at most
 `HOLD_RECORDS` (or `SEND_S` of them, under load) not handed over, and counts them (below).
 

@@ -180,9 +180,19 @@ def test_hostile_requests_through_the_proxy_are_stored_made_storable(target, pro
     assert "\x00" not in scrape and 'reason="rejected"} 0.0' in scrape and 'reason="buffer_full"} 0.0' in scrape
 
 
-CRASHING = """
-import json, sys, threading, time
+PRELUDE = """
+import asyncio, json, sys, threading, time
 sys.path.insert(0, {root!r})
+def record(i):
+    return {{"endpoint": "chat", "outcome": "ok", "model": "m", "upstream": "u", "api": "openai", "received_unix_ns": time.time_ns(),
+             "duration_s": 0.1}}
+def written(store):  # 30 records added and written
+    for i in range(30):
+        store.add(record(i))
+    store.flush(timeout=30)
+"""  # (what the scripts below, run by another interpreter, begin with)
+
+CRASHING = PRELUDE + """
 from proxy.records import Writer, open_backend
 
 class Stuck:  # writes hang after the first batch (the store's write in flight when the process is killed)
@@ -204,12 +214,7 @@ class Stuck:  # writes hang after the first batch (the store's write in flight w
         return self.inner.write(rows)
 
 writer = Writer(Stuck(open_backend({target!r}, password_file={password!r})), "crashing", 10_000, 10**8, lambda: None, lambda *a: None)
-def record(i):
-    return {{"endpoint": "chat", "outcome": "ok", "model": "m", "upstream": "u", "api": "openai", "received_unix_ns": time.time_ns(),
-             "duration_s": 0.1}}
-for i in range(30):
-    writer.add(record(i))
-writer.flush(timeout=30)
+written(writer)
 for i in range(17):  # numbered, never written
     writer.add(record(i))
 time.sleep(1.0)  # (its maintenance pass writes how far it has numbered)
@@ -250,18 +255,11 @@ def test_a_writer_killed_with_its_records_buffered_is_counted_by_the_next(target
     later.close()
 
 
-HOLDING = """
-import asyncio, sys, time
-sys.path.insert(0, {root!r})
+HOLDING = PRELUDE + """
 from proxy.records import outbox
 outbox.HOLD_S = 3600.0  # (what is added next stays held until the kill)
 box = outbox.Outbox({target!r}, {{"password_file": {password!r}}}, "holding", 10_000, 10**8, lambda: None, lambda *a: None)
-def record(i):
-    return {{"endpoint": "chat", "outcome": "ok", "model": "m", "upstream": "u", "api": "openai", "received_unix_ns": time.time_ns(),
-             "duration_s": 0.1}}
-for i in range(30):
-    box.add(record(i))
-box.flush(timeout=30)
+written(box)
 async def hold():
     for i in range(5):  # on the loop, as the finisher adds them: numbered, held, never handed over
         box.add(record(i))

@@ -21,6 +21,7 @@ from .engine import from_llamacpp, from_vllm
 from .errors import RemoteProtocolError
 from .framing import Framer
 from .sse import EventTooLarge
+from .text import ERROR_CODE_CHARS, storable
 
 if TYPE_CHECKING:
     from .apis import Dialect
@@ -136,7 +137,7 @@ class Reader:
         if not chunk.valid:
             t.malformed_chunks += 1
         if chunk.failed:  # the stream itself reported an error (`response.failed`, an `error` event)
-            t.outcome, t.error = "upstream_error", f"stream_error:{chunk.failed}"
+            t.outcome, t.error = "upstream_error", f"stream_error:{storable(chunk.failed, ERROR_CODE_CHARS)}"  # (the upstream's string)
         # After the API's end event, or an error event (an SDK raises on it and closes), a client
         # leaving has had all there is: the request keeps its outcome, never client_disconnect.
         if chunk.final or chunk.failed:

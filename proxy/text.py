@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 
+ERROR_CODE_CHARS = 64  # an error code an upstream's stream named (`stream_error:CODE`)
 MODEL_CHARS = 256  # a model name as measured (the request is sent on unchanged: the rest is the client's business)
 _UNSTORABLE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")  # controls (NUL among them) and lone surrogates
 

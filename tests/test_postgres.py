@@ -111,7 +111,7 @@ def waterfall(url: str) -> dict[str, int]:
 
     from playwright.sync_api import sync_playwright
 
-    from test_waterfall import CHROMIUM_ARGS
+    from test_waterfall import CHROMIUM_ARGS, wait_for
 
     counts = {}
     with sync_playwright() as p:
@@ -120,11 +120,11 @@ def waterfall(url: str) -> dict[str, int]:
             page = browser.new_page()
             page.goto(f"{url}/ui")
             chats = "[...document.querySelectorAll('.row .label')].filter(l => l.innerText.includes(' openai chat ')).length"
-            page.wait_for_function(f"{chats} > 0")
+            wait_for(page, f"{chats} > 0")
             counts[""] = page.evaluate(chats)
             for name in [o for o in page.eval_on_selector_all("#instance option", "os => os.map(o => o.value)") if o]:
                 page.select_option("#instance", name)
-                page.wait_for_function(f"[...document.querySelectorAll('.row')].every(r => r.title === '{name}')")
+                wait_for(page, f"[...document.querySelectorAll('.row')].every(r => r.title === '{name}')")
                 counts[name] = page.evaluate(chats)
         finally:
             browser.close()

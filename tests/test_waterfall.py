@@ -3,6 +3,7 @@ one bar per request, each phase segment as wide as the record says, a tick per c
 from __future__ import annotations
 
 import shutil
+import time
 
 import httpx
 import pytest
@@ -13,6 +14,17 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 ARTIFACT = ROOT / "test-artifacts" / "waterfall.png"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync"]
+
+
+def wait_for(page, expression: str, timeout: float = 15.0) -> None:
+    """Until `expression` is true in the page. Playwright's own wait_for_function evaluates its predicate with the
+    page's eval, which the page's Content-Security-Policy refuses (as it should); page.evaluate goes through the
+    DevTools protocol, which the policy does not govern."""
+    deadline = time.monotonic() + timeout
+    while not page.evaluate(expression):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not true within {timeout} s: {expression}")
+        time.sleep(0.05)
 
 
 def hold_still(page) -> None:
@@ -69,14 +81,14 @@ def test_the_waterfall_matches_the_records(proxy_factory, tmp_path):
             page.wait_for_selector("#detail .tick")
             assert len(page.query_selector_all("#detail .tick")) == 40
             page.select_option("#api", "anthropic")  # one API alone: the Anthropic request, its 9 ticks
-            page.wait_for_function("document.querySelectorAll('.row').length === 1")
+            wait_for(page, "document.querySelectorAll('.row').length === 1")
             assert "anthropic messages" in page.inner_text(".row .label")
             page.locator(".row").first.click()
-            page.wait_for_function("document.querySelectorAll('#detail .tick').length === 9")
+            wait_for(page, "document.querySelectorAll('#detail .tick').length === 9")
             page.check("#live")  # (live again: the browser's own request below must come in)
             page.select_option("#api", "")
             everything = len(proxy.records())  # (by now also the browser's own GET /favicon.ico: relayed like any path)
-            page.wait_for_function(f"document.querySelectorAll('.row').length === {everything}")
+            wait_for(page, f"document.querySelectorAll('.row').length === {everything}")
             ARTIFACT.parent.mkdir(exist_ok=True)
             page.screenshot(path=str(ARTIFACT), full_page=True)
             # An alert's first_look link (/ui?outcome=...&upstream=...) opens the page filtered so
@@ -84,7 +96,7 @@ def test_the_waterfall_matches_the_records(proxy_factory, tmp_path):
             failed = [r for r in proxy.records() if r["outcome"] == "upstream_error" and r["api"] == "openai"]
             page.goto(f"{proxy.url}/ui?outcome=upstream_error&api=openai&upstream={failed[0]['upstream']}")
             page.wait_for_selector("body[data-loaded=true]")
-            page.wait_for_function("document.querySelectorAll('.row').length === 1")
+            wait_for(page, "document.querySelectorAll('.row').length === 1")
             assert len(failed) == 1 and page.input_value("#outcome") == "upstream_error" and page.input_value("#api") == "openai"
             assert page.input_value("#upstream") == failed[0]["upstream"]
             # The misses of an SLO (a burn alert's first_look link): each row marked with what it missed and why.
@@ -92,28 +104,28 @@ def test_the_waterfall_matches_the_records(proxy_factory, tmp_path):
             assert [(r["slo_missed"], r["slo_blame"]) for r in missed] == [(["ttft"], {"ttft": "prefill"}), (["error"], {"error": "upstream_error"})]
             page.goto(f"{proxy.url}/ui?slo=chat&verdict=miss")
             page.wait_for_selector("body[data-loaded=true]")
-            page.wait_for_function("document.querySelectorAll('.row.missed').length === 2")
+            wait_for(page, "document.querySelectorAll('.row.missed').length === 2")
             hold_still(page)
             assert len(page.query_selector_all(".row")) == 2 and page.input_value("#verdict") == "miss"
             assert [m.inner_text() for m in page.query_selector_all(".row .miss")] == ["✗ error: upstream_error", "✗ ttft: prefill"]
             page.locator(".row").nth(1).click()
-            page.wait_for_function("document.querySelector('#detail').innerText.includes('chat: missed ttft: prefill')")
+            wait_for(page, "document.querySelector('#detail').innerText.includes('chat: missed ttft: prefill')")
             page.select_option("#verdict", "good")
-            page.wait_for_function("document.querySelectorAll('.row').length > 0 && document.querySelectorAll('.row.missed').length === 0")
+            wait_for(page, "document.querySelectorAll('.row').length > 0 && document.querySelectorAll('.row.missed').length === 0")
             assert len(page.query_selector_all(".row")) == sum(1 for r in proxy.records() if r.get("slo_good") is True)
             # The summary line: the store's counts for the same filters, not the rows on the page.
             good = sum(1 for r in proxy.records() if r.get("slo_good") is True)
-            page.wait_for_function(f"document.querySelector('#summary').dataset.requests === '{good}'")
+            wait_for(page, f"document.querySelector('#summary').dataset.requests === '{good}'")
             assert f"{good} requests (ok {good})" in page.inner_text("#summary") and "SLO chat 100.00% of" in page.inner_text("#summary")
             page.select_option("#verdict", "")
             judged = sum(1 for r in proxy.records() if r.get("slo") == "chat")  # (the page's slo filter is still chat)
-            page.wait_for_function(f"document.querySelector('#summary').dataset.requests === '{judged}'")
+            wait_for(page, f"document.querySelector('#summary').dataset.requests === '{judged}'")
             assert f"SLO chat {100 * good / judged:.2f}% of {judged}" in page.inner_text("#summary")
             # A TTFT threshold: only the requests whose first token took that long (the 2,000-token prompt's 400 ms prefill).
             slow = [r for r in proxy.records() if (r.get("ttft_s") or 0) >= 0.35 and r.get("slo") == "chat"]
             page.fill("#min_ttft", "0.35")
             page.dispatch_event("#min_ttft", "change")
-            page.wait_for_function(f"document.querySelectorAll('.row').length === {len(slow)}")
+            wait_for(page, f"document.querySelectorAll('.row').length === {len(slow)}")
             assert len(slow) == 1 and slow[0]["prompt_tokens"] > 1900
             # Who sent it: one tenant's requests, then one end user's (typed: there are many).
             for user in ("u-7", "u-8"):
@@ -122,13 +134,13 @@ def test_the_waterfall_matches_the_records(proxy_factory, tmp_path):
             proxy.wait_records(len(proxy.records()) + 2)
             page.goto(f"{proxy.url}/ui?tenant=mobile")
             page.wait_for_selector("body[data-loaded=true]")
-            page.wait_for_function("document.querySelectorAll('.row').length === 2")
+            wait_for(page, "document.querySelectorAll('.row').length === 2")
             assert page.input_value("#tenant") == "mobile"
             page.fill("#user", "u-7")
             page.dispatch_event("#user", "change")
-            page.wait_for_function("document.querySelectorAll('.row').length === 1")
+            wait_for(page, "document.querySelectorAll('.row').length === 1")
             page.locator(".row").first.click()
-            page.wait_for_function("document.querySelector('#detail').innerText.includes('mobile, end user u-7')")
+            wait_for(page, "document.querySelector('#detail').innerText.includes('mobile, end user u-7')")
             # The replicas line: each replica's health now. A 429 asking for 30 s of quiet sets this one aside
             # (alone on its route, it still serves: one always does).
             assert page.inner_text("#replicas") == f"replicas: {proxy.settings.upstream_label} serving"

@@ -132,18 +132,20 @@ class Simulator:
             return await self._reply(send, _json_response(404, {"error": {"message": f"no route {path}", "type": "invalid_request_error", "code": "not_found", "param": None}}))
         self.stats.requests += 1
         self.stats.last_headers = headers
-        try:
-            request = orjson.loads(body)
-            assert isinstance(request, dict)
-        except (orjson.JSONDecodeError, AssertionError):
-            return await self._reply(send, _json_response(400, {"error": {"message": "invalid JSON body", "type": "invalid_request_error", "code": "invalid_json", "param": None}}))
-        self.stats.last_body = request
+        # A simulated error is answered before the body is parsed, as an engine refuses what it will not serve
+        # (an over-long prompt, a full queue) cheaply: a benchmark's hostile body costs the simulator no parse.
         status = int(headers.get("x-sim-error-status", "0") or 0) or self.config.error_status
         if status:
             retry_after = headers.get("x-sim-retry-after", self.config.retry_after)
             extra = [(b"retry-after", retry_after.encode())] if retry_after else []
             error = {"error": {"message": f"simulated error {status}", "type": "simulated_error", "code": str(status), "param": None}}
             return await self._reply(send, _json_response(status, error, extra))
+        try:
+            request = orjson.loads(body)
+            assert isinstance(request, dict)
+        except (orjson.JSONDecodeError, AssertionError):
+            return await self._reply(send, _json_response(400, {"error": {"message": "invalid JSON body", "type": "invalid_request_error", "code": "invalid_json", "param": None}}))
+        self.stats.last_body = request
         send = encoded(send, headers)  # x-sim-content-encoding: the body compressed, read by read
         if kind == "embeddings":
             return await self._embeddings(send, request)

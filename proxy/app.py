@@ -99,6 +99,7 @@ class ProxyApp:
         # In each worker, before its listener and its upstream pools exist (their size comes from it).
         self.open_files = raise_open_files_limit(settings)[1]
         self.router = Router(settings, self.telemetry.ejected)  # --routes, or the one --upstream for every model
+        self.metrics.models.know(self.known_models())  # (kept by name whatever clients send: labels.py)
         # --max-in-flight is the proxy's: each worker enforces its part, shared by tenant (admission.py).
         self.admission = Admission(worker_cap(settings), settings.admission_queue_s, lambda label: self.tenants.weight(label))
         self.metrics.child("llmproxy_max_in_flight", settings.upstream_label).set(self.admission.cap)
@@ -131,6 +132,12 @@ class ProxyApp:
             out.append((dialect.key_headers[0], dialect.key_prefix + upstream.key))
         return out
 
+    def known_models(self) -> tuple[str, ...]:
+        """The model names the configuration knows: its routes' and its objectives' exact names (never folded into
+        `other`, whatever names clients send: labels.py, records/columns.py)."""
+        named = {m for o in self.slos.objectives for m in o.models if not any(c in m for c in "*?[")}
+        return tuple(sorted({*self.router.models(), *named}))
+
     def reload(self) -> None:
         """SIGHUP: re-read --routes, --slo and --tenants; a broken file is refused and the old one keeps serving."""
         try:
@@ -147,6 +154,7 @@ class ProxyApp:
             self.metrics.tenants_known(self.settings.upstream_label, self.tenants.labels(), self.admission.cap > 0)
         except ValueError as exc:
             log.error("tenants not reloaded, the old ones keep serving: %s", exc)
+        self.metrics.models.know(self.known_models())  # (the records process keeps the names it started with)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -224,7 +232,7 @@ class ProxyApp:
         if not target:
             return None
         options = {"max_rows": s.records_max_rows, "max_age_s": s.records_max_age, "password_file": s.records_db_password_file,
-                   "max_models": s.max_models}
+                   "max_models": s.max_models, "known_models": self.known_models()}
         buffered, written = self.metrics.child("llmproxy_records_buffered"), self.metrics.child("llmproxy_records_written")
 
         def on_batch(stored: int, waiting: int) -> None:
@@ -233,7 +241,8 @@ class ProxyApp:
 
         lost = self.metrics.child("llmproxy_records_lost")
         return Outbox(target, options, s.instance_name, s.records_buffer, s.records_buffer_bytes, lambda: self.telemetry.count_error("records"),
-                      self.metrics.records_dropped, on_batch, on_lost=lost.inc)
+                      self.metrics.records_dropped, on_batch, on_lost=lost.inc,
+                      on_nulled=lambda field, n: self.metrics.child("llmproxy_records_nulled", field).inc(n))
 
     def _sample(self) -> None:
         """The gauges read off the process (open descriptors, bytes read ahead of slow clients, the

@@ -7,12 +7,13 @@ Each dialect (`proxy/apis/`) reads its own wire format into a `Chunk` (per event
 """
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Callable, NamedTuple
 
 import orjson
 
-from .engine import EngineTimings
+from .engine import COUNT_MAX, EngineTimings
 
 DONE = b"[DONE]"
 
@@ -42,12 +43,25 @@ class Chunk:
 
 
 def json_object(data: bytes) -> dict[str, Any] | None:
-    """The JSON object an event's data holds, or None (not JSON, or not an object: a malformed chunk)."""
+    """The JSON object a body or an event's data holds, or None (not JSON, or not an object: a malformed chunk).
+    Read as leniently as the engines read it: where orjson refuses, Python's own parser, which FastAPI's and so vLLM's
+    and SGLang's servers read a request with, is asked (`lenient`)."""
     try:
         obj = orjson.loads(data)
     except orjson.JSONDecodeError:
-        return None
+        obj = lenient(data)
     return obj if isinstance(obj, dict) else None
+
+
+def lenient(data: bytes) -> Any:
+    """What Python's json makes of what orjson refused: a lone surrogate escape (`"\\ud800"`), NaN and Infinity, an
+    integer past 64 bits, UTF-16 or a byte-order mark; None where it refuses too (its result's strings may hold lone
+    surrogates and its numbers be NaN or huge: every sink makes them storable, `text.py`, and counts are range-checked,
+    `count`)."""
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError):  # (UnicodeDecodeError is a ValueError)
+        return None
 
 
 def string(value: Any) -> str:
@@ -64,8 +78,9 @@ class Usage(NamedTuple):
 
 
 def count(obj: Any, key: str) -> int | None:
+    """A token count an upstream reported: a non-negative integer a store can hold, else None."""
     value = obj.get(key) if isinstance(obj, dict) else None
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= COUNT_MAX else None
 
 
 def read_usage(usage: dict[str, Any] | None) -> Usage:

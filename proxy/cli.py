@@ -159,10 +159,13 @@ def records_import(args: argparse.Namespace) -> int:
     from .records.transfer import run_import
 
     password_file = args.db_password_file or os.environ.get("LLMPROXY_RECORDS_DB_PASSWORD_FILE", "")
-    done = run_import(sys.stdin.buffer, lambda: open_backend(args.db, password_file=password_file, bulk=True), lambda line: print(line, file=sys.stderr))
-    print(f"{done.lines:,} lines read, {done.stored:,} records stored, {done.skipped:,} skipped (already held), {done.rejected:,} not records, "
-          f"{done.dropped:,} dropped, {done.compacted:,} blocks and hours compacted ({done.final_s:.1f} s at the end); {done.seconds:.1f} s, {done.lines / max(done.seconds, 1e-9):,.0f} "
-          "lines/s", file=sys.stderr)
+    done = run_import(sys.stdin.buffer, lambda: open_backend(args.db, password_file=password_file, bulk=True, max_age_s=args.max_age),
+                      lambda line: print(line, file=sys.stderr))
+    nulled = ", ".join(f"{name} {count:,}" for name, count in sorted(done.nulled.items()))
+    print(f"{done.lines:,} lines read, {done.stored:,} records stored, {done.skipped:,} skipped (already held), {done.rejected - done.skewed:,} not records, "
+          f"{done.skewed:,} outside the store's window (clock_skew), {done.dropped:,} dropped"
+          f"{f', figures no column holds set to null: {nulled}' if nulled else ''}, {done.compacted:,} blocks and hours compacted "
+          f"({done.final_s:.1f} s at the end); {done.seconds:.1f} s, {done.lines / max(done.seconds, 1e-9):,.0f} lines/s", file=sys.stderr)
     return 1 if done.dropped or done.rejected else 0
 
 
@@ -266,6 +269,9 @@ def parser() -> argparse.ArgumentParser:
     p_import = records_commands.add_parser("import", help="read JSON lines from stdin into a store (the ids it holds are skipped)")
     p_import.add_argument("--db", required=True, help="records store: an SQLite file or postgresql://…")
     p_import.add_argument("--db-password-file", default="", help="file holding the PostgreSQL password (default: $LLMPROXY_RECORDS_DB_PASSWORD_FILE)")
+    p_import.add_argument("--max-age", type=float, default=7 * 24 * 3600.0,
+                          help="the store's retention in seconds, as its proxies' --records-max-age (0: none): a record that ended "
+                               "earlier, or more than an hour from now, is not imported (counted as clock_skew)")
     p_import.set_defaults(func=records_import)
 
     p_tenants = commands.add_parser("tenants", help="the tenants file's helpers: `fingerprint` prints each key on stdin as its fingerprint")

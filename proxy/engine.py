@@ -19,9 +19,11 @@ and a non-streaming `server` phase into queue, load, prefill and decode (or queu
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, Mapping
 
+COUNT_MAX = (1 << 63) - 1  # what a store's integer column holds: a count from outside past it is no count
 EngineSource = Literal["llama.cpp", "vllm", "tgi", "ollama"]
 
 
@@ -42,20 +44,29 @@ class EngineTimings:
 
 
 def _num(obj: Mapping[str, Any], key: str, scale: float = 1.0) -> float | None:
+    """A duration the engine reported, scaled to seconds: finite and not negative, else None (a `nan` header or an
+    overflowing number is no time, and would poison every sum it entered: a phase, a histogram's)."""
     value = obj.get(key)
     if isinstance(value, (bytes, str)):
         try:
             value = float(value)
-        except ValueError:
+        except (ValueError, OverflowError):
             return None
-    return float(value) * scale if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    try:
+        seconds = float(value) * scale
+    except OverflowError:  # (an integer past a float's range)
+        return None
+    return seconds if 0.0 <= seconds < math.inf else None
 
 
 def _int(obj: Mapping[str, Any], key: str) -> int | None:
+    """A count the engine reported: a non-negative integer a store can hold, else None."""
     value = obj.get(key)
-    if isinstance(value, (bytes, str)) and value.isdigit():
-        return int(value)
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    if isinstance(value, (bytes, str)) and value.isdigit() and len(value) < 20:
+        value = int(value)
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= COUNT_MAX else None
 
 
 def from_llamacpp(timings: Any) -> EngineTimings | None:

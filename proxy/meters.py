@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from . import apis
 from .config import Settings
+from .labels import served
 from .slo import tpot_s
 from .timing import Breakdown, RequestTiming, failover_shares
 from .tracing import OPERATIONS
@@ -133,11 +134,11 @@ class Meters:
         if b is None or operation == "proxy":  # not a GenAI operation (a passthrough path)
             return
         host, port = server or self.settings.upstream_parts[1:3]
-        model = self.models(t.model)
+        model = self.models(t.model, served(t.status_code))
         common: Attributes = (("gen_ai.operation.name", operation), ("gen_ai.provider.name", apis.BY_NAME[t.api].provider or self.settings.provider),
                               ("gen_ai.request.model", model), ("server.address", host), ("server.port", port))
         if t.response_model:
-            common += (("gen_ai.response.model", self.models(t.response_model)),)
+            common += (("gen_ai.response.model", self.models(t.response_model, served(t.status_code))),)
         ok = t.outcome == "ok"
         if not ok:  # the class of error: the HTTP status when there is one, else the outcome
             common += (("error.type", str(t.status_code) if t.status_code >= 400 else t.outcome),)

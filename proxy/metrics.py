@@ -19,7 +19,7 @@ from .buckets import DURATION_BUCKETS, GAP_BUCKETS, OVERHEAD_BUCKETS, PREFILL_TP
 from .records import DROP_REASONS
 from .slo import BEFORE_FIRST_TOKEN, FAILED, Verdict
 from .health import EJECT_REASONS, STATES
-from .labels import ModelLabels
+from .labels import ModelLabels, served
 from .series import Series, observe_many
 from .timing import PHASES, Breakdown, RequestTiming, failover_shares
 
@@ -96,7 +96,8 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("llmproxy_telemetry_errors", "counter", "Failures inside metrics, tracing, tokenizer, records, the SLO verdict or OTLP exports (otlp_export: spans, otlp_metrics: metrics); the request itself was unaffected.", ("component",)),
     MetricDef("llmproxy_records_written", "counter", "Per-request records written to the records store (--records-db).", ()),
     MetricDef("llmproxy_records_buffered", "gauge", "Per-request records waiting to be written to the records store now (the store is down or slow when it grows).", ()),
-    MetricDef("llmproxy_records_dropped", "counter", "Per-request records that never reached the store, by reason: buffer_full (the store was down or slow past --records-buffer or --records-buffer-bytes: the oldest went), rejected (the store refused a batch for what it held), shutdown (not written within the flush deadline at SIGTERM).", ("reason",)),
+    MetricDef("llmproxy_records_dropped", "counter", "Per-request records that never reached the store, by reason: buffer_full (the store was down or slow past --records-buffer or --records-buffer-bytes: the oldest went), rejected (the store refused a batch for what it held), shutdown (not written within the flush deadline at SIGTERM), clock_skew (it ended outside the store's window: before its retention, or more than an hour after the writer's clock).", ("reason",)),
+    MetricDef("llmproxy_records_nulled", "counter", "Figures of per-request records set to null because the store's typed column could not hold them (NaN, an infinity, a count below zero or past a bigint), by field; the records themselves were kept.", ("field",)),
     MetricDef("llmproxy_records_lost", "counter", "Per-request records lost by a writer that stopped without writing or counting them (a kill -9, an OOM kill, a crash), as the store's boots show (each writer's numbered, written and dropped records): counted once, by the writer that finds the dead one's boot.", ()),
     MetricDef("llmproxy_slo_requests", "counter", "Generation requests judged against their service-level objective (--slo), by tenant and result: good (every stated objective met) or bad. Exact counts: the error ratio and burn rate are bad / all.", ("slo", "model", "upstream", "tenant", "result")),
     MetricDef("llmproxy_slo_misses", "counter", "Bad requests by tenant, the objective missed (ttft, tpot, e2e, error) and its blame: for ttft and e2e the phase furthest above its usual value for the model, for tpot decode, for error the outcome. A request that missed two objectives counts once in each.", ("slo", "model", "upstream", "tenant", "objective", "blame")),
@@ -176,7 +177,7 @@ class ProxyMetrics:
     def observe(self, t: RequestTiming, b: Breakdown | None, upstream: str, trace_id: str | None = None) -> None:
         """Everything about one finished request, in one place. The latency breakdown describes
         successful requests only: a 10 s connect timeout must not bend the split of the ok ones."""
-        model = self.models(t.model)
+        model = self.models(t.model, served(t.status_code))
         stream = "true" if t.stream else "false"
         child = self.child
         tenant = self.tenant_label(t.tenant)
@@ -248,12 +249,12 @@ class ProxyMetrics:
                 series.observe("llmproxy_phase_seconds", phase)(max(0.0, seconds))
         series.observe("llmproxy_proxy_overhead_seconds")(b.phases.get("proxy", 0.0))
 
-    def observe_slo(self, verdict: Verdict, model: str, upstream: str, tenant: str = "unknown") -> None:
+    def observe_slo(self, verdict: Verdict, model: str, upstream: str, tenant: str = "unknown", admit: bool = True) -> None:
         """A judged request: good or bad, and each miss with its blame. A (slo, model, upstream, tenant)
         set's first verdict creates its every series at 0 (each result, each stated objective's blames)."""
         if verdict.good is None:
             return
-        key = (verdict.slo, *self.slo_sets.label_set(self.models(model), upstream, self.tenant_label(tenant)))
+        key = (verdict.slo, *self.slo_sets.label_set(self.models(model, admit), upstream, self.tenant_label(tenant)))
         child = self.child
         if ("llmproxy_slo_requests", *key, "good") not in self._bound:
             child("llmproxy_slo_requests", *key, "good")

@@ -24,10 +24,18 @@ from typing import Any, Callable, TypeVar
 
 from . import apis, prefix
 from .chunk import BodyInfo
+from .forecast import media, tokens
 from .tokens import PromptParts, Tokenizer
 
 INLINE_TOKENIZE_BYTES = 16 * 1024  # about 4,000 tokens: well under a millisecond to count
+INLINE_TOKENIZE_TEXTS = 256  # and at most this many texts (each a call: 60,000 empty messages took 50 ms)
 BIG_BODY_BYTES = 1024 * 1024
+# A body is parsed on the loop when its parse is short whatever it holds: up to LOOP_BODY_BYTES (the worst orjson does
+# with them here: 8 ms, for 64,000 one-item lists), or up to BIG_BODY_BYTES with at most LOOP_VALUES commas (a coding
+# agent's long conversation: prose, a few thousand); a body of many tiny values (token ids, empty messages) goes to the
+# worker, whose parse stalls no stream.
+LOOP_BODY_BYTES = 256 * 1024
+LOOP_VALUES = 32_768
 SMALL_KEYS = ("model", "stream", "stream_options", "n", "user", "safety_identifier", "metadata")  # (the last three: its end user, tenants.py)
 T = TypeVar("T")
 
@@ -40,8 +48,14 @@ def summarize_request(path: str, body: bytes) -> tuple[dict[str, Any] | None, Pr
         return None, None
     view = {key: parsed[key] for key in SMALL_KEYS if key in parsed}
     view["_partial"] = True
-    view["_chain"] = prefix.chain(parsed)  # (its replicas' prefix indexes read it: prefix.py)
+    view["_media"] = inline = media(prefix.sequence(parsed))  # (the forecast's estimate of its size: forecast.py)
+    view["_chain"] = prefix.chain(parsed, tokens(len(body), inline))  # (its replicas' prefix indexes read it: prefix.py)
     return view, route.dialect.prompt_parts(route.endpoint, parsed)
+
+
+def on_loop(body: bytes) -> bool:
+    """Whether a request body is parsed on the event loop (the constants above say why)."""
+    return len(body) <= LOOP_BODY_BYTES or (len(body) <= BIG_BODY_BYTES and body.count(b",") <= LOOP_VALUES)
 
 
 _worker_tokenizer: Tokenizer | None = None  # in the worker process only, made at its first count
@@ -104,7 +118,7 @@ class Offload:
 
     async def counts(self, tokenizer: Tokenizer, model: str, texts: list[str]) -> tuple[list[int], float]:
         """Prompt parts to count: a few KB inline, more in the worker, where the CPU time is the tokenizer's own."""
-        if sum(map(len, texts)) <= INLINE_TOKENIZE_BYTES:
+        if len(texts) <= INLINE_TOKENIZE_TEXTS and sum(map(len, texts)) <= INLINE_TOKENIZE_BYTES:
             return tokenizer.timed_counts(model, texts)
         return await self.process(count_texts, model, texts, tokenizer.default_encoding)
 
@@ -137,7 +151,7 @@ class Offload:
 
     async def request(self, route: apis.Route, path: str, body: bytes) -> tuple[dict[str, Any] | None, PromptParts | None]:
         """(parsed body or its small keys, the prompt's parts when read in the worker)."""
-        if len(body) <= BIG_BODY_BYTES or not route.timed:  # unmeasured paths (file uploads) are never parsed
+        if not route.timed or on_loop(body):  # (unmeasured paths, file uploads among them, are never parsed)
             return apis.parse_request(route, body), None
         return await self.process(summarize_request, path, body)
 

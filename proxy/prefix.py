@@ -7,17 +7,22 @@ renders it: the system prompt and the tools first, then the messages in order. A
 its whole, growing conversation every turn, so each turn is the last one's prompt plus what the turn
 added. The proxy keeps, per replica, the prompts it sent there as a chain of hashes, one per message
 (`chain`: each the hash of the one before and the message's own text, so a hash stands for the whole
-prompt up to it, as an engine's block hashes are chained), with each link's size in tokens (its bytes
-/ 4, as the forecast estimates a prompt). A request's cached part on a replica is its longest chain of
-links the replica's index holds (`match`). The index is an LRU bounded in tokens (`Index`); it is
+prompt up to it, as an engine's block hashes are chained; small messages share a link, so that every
+link holds at least `LINK_BYTES`), with each link's size in tokens (its bytes / 4, its inline images at
+their own estimate, as the forecast estimates a prompt). A request's cached part on a replica is its
+longest chain of links the replica's index holds (`match`). The index is an LRU bounded in tokens and
+in links (`Index`: its memory, whatever the prompts' shapes); it is
 updated when a request is sent there (`sent`), and corrected by what the response reports
 (`prompt_tokens_details.cached_tokens`, `cache_read_input_tokens`, llama.cpp's `cache_n`, Gemini's
 `cachedContentTokenCount`): a replica that reports fewer cached tokens than predicted has evicted what
 the index still holds, so the index holds that much less from then on, its oldest links forgotten
 (`reported`); its capacity grows back while its predictions hold.
 
-A message is a link whole: a turn never changes the messages before it, so a chain breaks exactly where
-a prompt differs (engines cache by blocks of 16 tokens: at most a block of difference per prompt). Keys
+A message is never split: a turn never changes the messages before it, so a chain breaks where a prompt
+differs, at most a link's bytes before (engines cache by blocks of 16 tokens: at most a block of
+difference per prompt). What a request costs is bounded whatever it holds: a prompt of 450,000 token
+ids or 60,000 empty messages is a few links for its first `ITEMS_LINKED` items, and only counted past
+them (`Chain.rest`). Keys
 an engine does not render (Anthropic's `cache_control`, which moves to the newest message every turn)
 are left out of a link's text.
 
@@ -38,9 +43,9 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
-BYTES_PER_TOKEN = 4
+from .forecast import media_of
+from .forecast import tokens as estimate
+from .text import dumps
 CAPACITY_TOKENS = 1_000_000  # what an index holds per replica at most (an engine with a large KV cache; the reports correct it)
 MIN_CAPACITY = 10_000
 TOLERANCE = 256  # tokens: an engine caches whole blocks, the estimate is bytes / 4
@@ -51,6 +56,9 @@ ANSWER_ROLES = ("assistant", "model")  # (Gemini's)
 ANSWER_TYPES = ("function_call", "reasoning", "custom_tool_call")  # (the Responses API's output items, resent as input)
 LONG_TEXT = 2048  # characters: a text this long is hashed as it is, not as JSON (`_text`)
 AWAY_MAX = 10_000  # conversations remembered as not on a replica, per replica
+ITEMS_LINKED = 1024  # a sequence's items hashed into links; past them, only counted (`chain`)
+LINK_BYTES = 256  # a link closes at a message's end once it holds this much (64 estimated tokens; TOLERANCE is 256)
+LINKS_MAX = 32_768  # links an index holds at most, whatever their tokens (about 5 MB a replica: docs/deployment.md)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,10 +71,11 @@ class Chain:
     shared: int = 0  # tokens before the conversation's first non-system message: the agent's, every session's
     start: int = 0  # the link of that message: the conversation's own links from it on
     opening: int = 0  # tokens before the conversation's first answer: its first turn's prompt, which every later one begins with (0: none yet)
+    rest: int = 0  # tokens past the linked items of a longer sequence (never matched: `chain`)
 
     @property
     def total(self) -> int:
-        return sum(self.tokens)
+        return sum(self.tokens) + self.rest
 
 
 def _text(value: Any) -> bytes:
@@ -80,10 +89,10 @@ def _text(value: Any) -> bytes:
             return _framed(b"\x00", [(b"s", text.encode("utf-8", "surrogatepass")) for pair in value.items() if pair[0] != "cache_control"
                                      for text in pair])
     elif type(value) is list and any(type(v) is str and len(v) > LONG_TEXT for v in value):
-        return _framed(b"\x01", [(b"s", v.encode("utf-8", "surrogatepass")) if type(v) is str else (b"j", orjson.dumps(v)) for v in value])
-    data = orjson.dumps(value)
+        return _framed(b"\x01", [(b"s", v.encode("utf-8", "surrogatepass")) if type(v) is str else (b"j", dumps(v)) for v in value])
+    data = dumps(value)
     if b"cache_control" in data and isinstance(value, dict):  # (not rendered by an engine: it moves every turn)
-        data = orjson.dumps(_without_cache_control(value))
+        data = dumps(_without_cache_control(value))
     return data
 
 
@@ -103,42 +112,73 @@ def _without_cache_control(value: Any) -> Any:
     return value
 
 
-def chain(parsed: dict[str, Any] | None) -> Chain | None:
-    """The request's prompt as links (None: nothing to chain)."""
+def sequence(parsed: dict[str, Any]) -> list[Any]:
+    """The request's messages (or input, contents, prompt), in order: what follows the head."""
+    found: Any = next((parsed[key] for key in SEQUENCE_KEYS if parsed.get(key)), None)
+    return found if isinstance(found, list) else [found] if found is not None else []
+
+
+def chain(parsed: dict[str, Any] | None, estimated: int = 0) -> Chain | None:
+    """The request's prompt as links (None: nothing to chain). `estimated`: the whole body's tokens (forecast.tokens),
+    what a sequence longer than ITEMS_LINKED is beyond its linked part (`Chain.rest`).
+
+    Bounded work and memory whatever the body holds: a link closes at a message's end once it holds LINK_BYTES (small
+    messages share one: a body of thousands of tiny ones, or a prompt of token ids, makes few links, and every link
+    has a size), and always around the conversation's first non-system message (the session's link); only the first
+    ITEMS_LINKED items are linked (an agent's conversation, whole), the rest of a longer sequence only counted."""
     if not parsed:
         return None
     head = [parsed[key] for key in HEAD_KEYS if parsed.get(key)]
-    sequence: Any = next((parsed[key] for key in SEQUENCE_KEYS if parsed.get(key)), None)
-    items = sequence if isinstance(sequence, list) else [sequence] if sequence is not None else []
+    items = sequence(parsed)
     if not items:
         return None
     hashes: list[int] = []
     tokens: list[int] = []
     session = shared = start = opening = total = 0
     digest = hashlib.sha256()  # (SHA-NI: twice blake2b's speed here, 133 against 261 µs for an agent's 208 KB)
+    held = media = count = 0  # what the open link holds: bytes, and of those inline media's characters and pieces
+
+    def close() -> None:
+        """The prompt hashed so far as a link, of the bytes since the last one (at least one token)."""
+        nonlocal held, media, count, total
+        hashes.append(int.from_bytes(digest.copy().digest()[:8], "big"))
+        tokens.append(max(1, estimate(held, (media, count))))
+        total += tokens[-1]
+        held = media = count = 0
+
     if head:
         data = _text(head)
         digest.update(data)
-        hashes.append(int.from_bytes(digest.copy().digest()[:8], "big"))
-        tokens.append(len(data) // BYTES_PER_TOKEN)
-        total = tokens[-1]
-    for item in items:
+        held = len(data)
+        close()
+    linked = items[:ITEMS_LINKED]
+    for position, item in enumerate(linked):
+        role = item.get("role") if isinstance(item, dict) else None
+        first = not session and role not in SYSTEM_ROLES  # the conversation's first message: a link of its own
+        if first and held:
+            close()
+        if session and not opening and (role in ANSWER_ROLES or (isinstance(item, dict) and item.get("type") in ANSWER_TYPES)):
+            opening = total + estimate(held)
         data = _text(item)
         digest.update(b"\x1e")
         digest.update(data)
-        hashes.append(int.from_bytes(digest.copy().digest()[:8], "big"))
-        tokens.append(len(data) // BYTES_PER_TOKEN)
-        role = item.get("role") if isinstance(item, dict) else None
-        if not session and role not in SYSTEM_ROLES:
-            session, shared, start = hashes[-1], total, len(hashes) - 1
-        elif session and not opening and (role in ANSWER_ROLES or (isinstance(item, dict) and item.get("type") in ANSWER_TYPES)):
-            opening = total
-        total += tokens[-1]
-    return Chain(tuple(hashes), tuple(tokens), session, shared, start, opening)
+        held += len(data) + 1
+        if type(item) is dict:
+            inline = media_of(item)
+            media, count = media + inline[0], count + inline[1]
+        if first:
+            shared = total
+            close()
+            session, start = hashes[-1], len(hashes) - 1
+        elif held >= LINK_BYTES or position == len(linked) - 1:
+            close()
+    rest = max(0, estimated - total) if len(items) > ITEMS_LINKED else 0
+    return Chain(tuple(hashes), tuple(tokens), session, shared, start, opening, rest)
 
 
 class Index:
-    """One replica's links, least recently sent first, bounded in tokens. On the event loop only."""
+    """One replica's links, least recently sent first, bounded in tokens and in links (`LINKS_MAX`: its memory, whatever
+    the prompts' shapes). On the event loop only."""
 
     __slots__ = ("capacity", "ceiling", "floor", "links", "held", "away")
 
@@ -198,7 +238,7 @@ class Index:
 
     def _trim(self) -> None:
         links = self.links
-        while self.held > self.capacity and links:
+        while (self.held > self.capacity or len(links) > LINKS_MAX) and links:
             self.held -= links.popitem(last=False)[1]
 
 

@@ -32,7 +32,7 @@ from . import apis, prefix
 from .config import Settings
 from .engine import from_llamacpp, from_vllm
 from .errors import ModelNotRouted, ProxyError, ProxyOverloaded, TransportError, UpstreamTimeout, map_transport_error
-from .forecast import tokens
+from .forecast import media, tokens
 from .health import retry_after_s
 from .placement import Placement
 from .retry import FailOver
@@ -201,10 +201,12 @@ class Exchange:
         if route.stream is not None:  # the path says (Gemini)
             t.stream = route.stream
         t.user = app.tenants.user(self.scope["headers"], parsed)
-        rule, prompt = app.router.route(t.model), tokens(len(body))
+        partial = parsed is not None and parsed.get("_partial")  # (a big body's summary, made in the worker: offload.py)
+        inline = (parsed["_media"] if partial else media(prefix.sequence(parsed))) if parsed is not None else (0, 0)
+        rule, prompt = app.router.route(t.model), tokens(len(body), inline)
         chain = None
-        if rule is not None and parsed is not None and app.router.indexes(rule):  # (a big body's was made in the worker)
-            chain = parsed.get("_chain") if parsed.get("_partial") else prefix.chain(parsed)
+        if rule is not None and parsed is not None and app.router.indexes(rule):
+            chain = parsed.get("_chain") if partial else prefix.chain(parsed, prompt)
         upstream = app.router.choose(rule, prompt, chain=chain) if rule is not None else None
         if rule is None or upstream is None:
             raise ModelNotRouted(f"the model `{t.model}` is not routed by this proxy (see its routing file)")
@@ -212,7 +214,7 @@ class Exchange:
         self.place = Placement(app.router, app.telemetry, ctx, rule, prompt, chain)
         self.place.use(upstream)
         if parsed is not None:
-            ctx.request, ctx.request_size = (None if parsed.get("_partial") else parsed), len(body)
+            ctx.request, ctx.request_size = (None if partial else parsed), len(body)
         app.telemetry.start(ctx, self.scope["headers"])
         self.relaying = True
         await self._exchange(parsed, original)

@@ -27,7 +27,8 @@ from .records.outbox import Outbox
 from .slo import SLOs
 from .timing import Breakdown, split
 from .context import RequestContext, record_dict
-from .text import MODEL_CHARS, storable
+from .labels import served
+from .text import MODEL_CHARS, dumps, storable
 from .tokens import PromptParts, TokenCache, Tokenizer
 from .tracing import Tracing
 
@@ -53,7 +54,7 @@ class MetricsSink:
         upstream = ctx.upstream or self.upstream
         self.metrics.observe(ctx.timing, b, upstream, ctx.trace_id)
         if ctx.verdict is not None:
-            self.metrics.observe_slo(ctx.verdict, ctx.timing.model, upstream, ctx.timing.tenant)
+            self.metrics.observe_slo(ctx.verdict, ctx.timing.model, upstream, ctx.timing.tenant, served(ctx.timing.status_code))
 
 
 class SpansSink:
@@ -177,7 +178,7 @@ class Telemetry:
         if ctx.request is not None and self.settings.capture_content:
             with self._guard("tracing"):
                 body = ctx.request
-                t.captured_input = orjson.dumps(body.get("messages") or body.get("prompt") or body.get("input")).decode()
+                t.captured_input = dumps(body.get("messages") or body.get("prompt") or body.get("input")).decode("utf-8", "replace")
 
     def ejected(self, upstream: str, reason: str, seconds: float) -> None:
         """A replica set aside for failing (health.py): counted, and said (rare, and an operator's first question)."""

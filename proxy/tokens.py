@@ -34,6 +34,7 @@ TOKENS_PER_MESSAGE = 3
 TOKENS_PER_NAME = 1
 REPLY_PRIMING = 3
 MODEL_CACHE_LIMIT = 1024
+PARTS_MAX = 1024  # texts a prompt is counted as at most (Parts.done)
 LONG_TEXT = 4096  # characters: from here the token cache finds a text by its samples, then compares it whole
 SAMPLE = 64  # characters of each sample: the head, the middle, the tail, and one spread over the text
 
@@ -241,7 +242,12 @@ class Parts:
         self.uncounted = 0
 
     def done(self) -> PromptParts:
-        return PromptParts(self.model, self.texts, self.fixed, self.uncounted)
+        """The prompt, in at most PARTS_MAX texts: past them, the rest as one (a body of thousands of tiny messages is
+        counted by a few tokenizer calls, looked up and cached as a few texts, not one each; an estimate either way)."""
+        texts = self.texts
+        if len(texts) > PARTS_MAX:
+            texts = [*texts[:PARTS_MAX - 1], "\n".join(texts[PARTS_MAX - 1:])]
+        return PromptParts(self.model, texts, self.fixed, self.uncounted)
 
     def value(self, value: Any) -> None:
         if isinstance(value, str):

@@ -1,6 +1,6 @@
 """Store version 2 (before tenants): what its replicas created and write, made from this version's
 schema by taking back what version 3 added (the tenant and end-user columns, their indexes, the
-rollup's tenant and its sums), so that a test can migrate a store of version 2 while an old replica
+rollup's tenant and its sums) and what later versions did (version 4's boots, version 5's model_name), so that a test can migrate a store of version 2 while an old replica
 keeps writing to it, as in a rolling upgrade."""
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from proxy.records import columns as C
 from proxy.records import sql as A
 
 V3_COLUMNS = ("tenant", "user_id", "ph_failover")
-COLUMNS = tuple(c for c in C.COLUMNS if c not in V3_COLUMNS)
+LATER_COLUMNS = ("model_name",)  # (version 5's)
+COLUMNS = tuple(c for c in C.COLUMNS if c not in V3_COLUMNS + LATER_COLUMNS)
 DIMENSIONS = tuple(d for d in C.DIMENSIONS if d != "tenant")
 SUMS = tuple(s for s in A.SUMS if s[0] not in A.V3_SUMS)
 ROLLUP_COLUMNS = (*DIMENSIONS, *(name for name, _, _ in SUMS))
@@ -22,7 +23,7 @@ def downgrade(conn: Any, postgres: bool) -> None:
     """A store of this version back to version 2's tables (empty ones: run before any write)."""
     for index in ("llmproxy_records_tenant", "llmproxy_records_user"):
         conn.execute(f"DROP INDEX IF EXISTS {index}")
-    for column in V3_COLUMNS:
+    for column in V3_COLUMNS + LATER_COLUMNS:
         conn.execute(f"ALTER TABLE llmproxy_records DROP COLUMN {column}")
     for column in ("tenant", *A.V3_SUMS):
         conn.execute(f"ALTER TABLE llmproxy_rollup DROP COLUMN {column}")

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..chunk import BodyInfo, Chunk, json_object
+from ..chunk import BodyInfo, Chunk, json_object, string
 from ..compression import DecodeError, decompress
 from ..tokens import PromptParts
 
@@ -57,7 +57,7 @@ class Dialect:
         return query
 
     def model_and_stream(self, endpoint: str, parsed: dict[str, Any]) -> tuple[str, bool]:
-        return str(parsed.get("model") or ""), parsed.get("stream") is True
+        return string(parsed.get("model")), parsed.get("stream") is True
 
     def prompt_parts(self, endpoint: str, parsed: dict[str, Any]) -> PromptParts | None:
         return None

@@ -44,7 +44,7 @@ class Anthropic(Dialect):
         """`system`, each message's text, tool-use input and tool results, and `tools` as JSON;
         images and documents are uncounted parts. An estimate with the proxy's BPE (Anthropic's
         tokenizer is not public); the usage Anthropic reports is what counts."""
-        parts = Parts(str(parsed.get("model") or ""))
+        parts = Parts(string(parsed.get("model")))
         parts.fixed = REPLY_PRIMING
         _blocks(parts, parsed.get("system"))
         for message in parsed.get("messages") or []:

@@ -39,10 +39,10 @@ class Ollama(Dialect):
         return None
 
     def model_and_stream(self, endpoint: str, parsed: dict[str, Any]) -> tuple[str, bool]:
-        return str(parsed.get("model") or ""), endpoint != "ollama_embed" and parsed.get("stream") is not False
+        return string(parsed.get("model")), endpoint != "ollama_embed" and parsed.get("stream") is not False
 
     def prompt_parts(self, endpoint: str, parsed: dict[str, Any]) -> PromptParts:
-        parts = Parts(str(parsed.get("model") or ""))
+        parts = Parts(string(parsed.get("model")))
         if endpoint == "ollama_chat":
             parts.fixed = REPLY_PRIMING
             for message in parsed.get("messages") or []:

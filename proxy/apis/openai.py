@@ -227,7 +227,7 @@ def prompt_parts(endpoint: str, body: dict[str, Any]) -> PromptParts:
     proxy does not decode) and reported as uncounted; assistant `tool_calls` and the legacy
     `function_call` count their name and arguments; `tools` / `functions` count their JSON text, an
     approximation (OpenAI injects them in an unpublished format)."""
-    parts = Parts(str(body.get("model") or ""))
+    parts = Parts(string(body.get("model")))
     if endpoint == "responses":
         return _responses_parts(parts, body)
     if endpoint != "chat":

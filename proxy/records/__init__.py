@@ -25,11 +25,12 @@ from typing import Any, Callable, Iterator, Protocol
 import orjson
 
 from .boots import Tally
+from .columns import Columns
 from .sql import Window
 
 log = logging.getLogger("llmproxy.records")
 
-DROP_REASONS = ("buffer_full", "rejected", "shutdown")
+DROP_REASONS = ("buffer_full", "rejected", "shutdown", "clock_skew")
 
 
 class Unavailable(Exception):
@@ -38,6 +39,10 @@ class Unavailable(Exception):
 
 class Rejected(Exception):
     """The store refuses these rows for what they hold: trying again cannot help (dropped, counted)."""
+
+
+class Skewed(Rejected):
+    """A record ending outside what the store keeps (columns.skew): dropped, counted as `clock_skew`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +81,27 @@ class Filters:
         return [(name, value) for name in ("model", "upstream", "outcome", "api", "slo", "verdict", "instance", "tenant")
                 if (value := getattr(self, name))]
 
+    def where(self, mark: str) -> tuple[str, list[Any]]:
+        """The SQL selection (` WHERE …`, or "") and its arguments, `mark` each argument's placeholder. A model is
+        found under its own name, or under `other` with its name kept beside (columns.Models: a writer's aggregates
+        fold names past its cap, never its records)."""
+        where: list[str] = []
+        args: list[Any] = []
+        for name, value in self.equal():
+            if name == "model":
+                where.append(f"(model = {mark} OR (model = 'other' AND model_name = {mark}))")
+                args += [value, value]
+            else:
+                where.append(f"{name} = {mark}")
+                args.append(value)
+        if self.user:
+            where.append(f"user_id = {mark}")
+            args.append(self.user)
+        if self.min_ttft:
+            where.append(f"ttft_s >= {mark}")
+            args.append(self.min_ttft)
+        return (f" WHERE {' AND '.join(where)}" if where else ""), args
+
     def match(self, record: dict[str, Any]) -> bool:
         """The same selection on a record in memory (records off)."""
         return all(record.get(name) == want for name, want in self.equal() if name != "verdict") \
@@ -90,6 +116,8 @@ class Backend(Protocol):
 
     where: str  # for log lines: a path, or a URL with no password
     retain_every_s: float  # how often the writer's maintenance thread runs `maintain`, busy or idle
+    max_age_s: float  # how long it keeps a record (0: no limit): a record ending earlier is skew (columns.skew)
+    columns: Columns  # what it makes of each record (columns.py): the figures it nulled, counted, taken by the writer
     tally: Callable[[], Tally] | None  # the writer's own figures, for its boot's row (boots.py); None: not counted (an import)
 
     def open(self) -> None: ...  # connect and migrate; Unavailable if it cannot now
@@ -123,20 +151,21 @@ def is_postgres(target: str) -> bool:
 
 
 def open_backend(target: str, max_rows: int = -1, max_age_s: float = 7 * 86400.0, password_file: str = "",
-                 busy_timeout_s: float = 5.0, bulk: bool = False, max_models: int = 100) -> Backend:
+                 busy_timeout_s: float = 5.0, bulk: bool = False, max_models: int = 100, known_models: tuple[str, ...] = ()) -> Backend:
     """The store a `--records-db` value names: a PostgreSQL URL, or an SQLite file path. `max_rows` -1:
     the store's own default. `bulk`: a load that can be run again (`records import`), whose commits
-    need not wait for the server's WAL flush. `max_models`: model names its aggregates keep (--max-models)."""
+    need not wait for the server's WAL flush. `max_models`: model names its aggregates keep (--max-models), besides the
+    configuration's own (`known_models`)."""
     if is_postgres(target):
         from .postgres import PostgresBackend
 
-        return PostgresBackend(target, max_rows, max_age_s, password_file, bulk, max_models)
+        return PostgresBackend(target, max_rows, max_age_s, password_file, bulk, max_models, known_models)
     from .sqlite import SQLiteBackend
 
-    return SQLiteBackend(target, max_rows, max_age_s, busy_timeout_s, max_models)
+    return SQLiteBackend(target, max_rows, max_age_s, busy_timeout_s, max_models, known_models)
 
 
 from .writer import BATCH, FLUSH_S, RETRY_S, Writer, serialise  # noqa: E402  (the writer needs the nouns above)
 
-__all__ = ["BATCH", "DROP_REASONS", "FLUSH_S", "RETRY_S", "Backend", "Filters", "Rejected", "Row", "Unavailable", "Writer",
+__all__ = ["BATCH", "DROP_REASONS", "FLUSH_S", "RETRY_S", "Backend", "Filters", "Rejected", "Row", "Skewed", "Unavailable", "Writer",
            "is_postgres", "open_backend", "serialise"]

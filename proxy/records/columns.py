@@ -22,18 +22,30 @@ schema migration).
 """
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import math
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from ..buckets import DURATION_BUCKETS, TTFT_BUCKETS
+from ..labels import served
 from ..text import storable
+from . import codec
 
 GAMMA = 1.02  # bucket ratio: a value is within sqrt(GAMMA) - 1 = 0.995% of its bucket's middle
 LN_GAMMA = math.log(GAMMA)
 ZERO = -(1 << 19)  # the bucket of 0 (and of anything below 1e-300, which no duration is)
+INT_MAX = (1 << 63) - 1  # a bigint column's (both stores)
+REAL_MAX = 1.7976931348623157e308  # a finite double's
+MAX_DURATION_S = 10 * 86400.0  # a request longer than this is no request's record
+SKEW_AHEAD_S = 3600  # how far after the writer's clock a record may end (`skew`)
+# The figures `values` reads into typed columns, checked first (`check`): the reals, and the counts (integers, never negative).
+CHECKED_REALS = ("ttft_s", "decode_tokens_per_second")
+CHECKED_COUNTS = ("prompt_tokens", "cached_prompt_tokens", "completion_tokens", "hidden_reasoning_tokens", "in_flight_at_decode")
 HOUR_NS = 3600 * 1_000_000_000
 DAY_NS = 24 * HOUR_NS
 
@@ -50,7 +62,8 @@ EXACT = frozenset({LEVEL})  # counted by value, not in a log bucket (64-67: rese
 DIMENSIONS = ("instance", "model", "upstream", "api", "endpoint", "outcome", "slo", "verdict", "blame", "tenant")
 REALS = ("ttft_s", "duration_s", "decode_tps", *(f"ph_{p}" for p in PHASES), "px", "py", "dx", "dy")
 INTEGERS = ("completion", "prompt", "output", "in_flight")
-TEXTS = ("user_id",)  # (not `user`: a reserved word in PostgreSQL)
+# `model_name`: the record's own model where the aggregates fold it into `other` (Models), else null: the list's filter reads it.
+TEXTS = ("user_id", "model_name")  # (not `user`: a reserved word in PostgreSQL)
 COLUMNS = ("rid", "key", "ended_ns", "received_ns", "series", *DIMENSIONS, *REALS, *INTEGERS, *TEXTS)
 
 OK = "outcome = 'ok'"
@@ -108,8 +121,57 @@ def series(dims: tuple[str, ...]) -> int:
 
 
 def ended_ns(record: dict[str, Any]) -> int:
-    """When the request ended, on the wall clock: its own time bucket wherever it is written."""
-    return int(record["received_unix_ns"]) + round(float(record["duration_s"]) * 1e9)
+    """When the request ended, on the wall clock: its own time bucket wherever it is written. ValueError: no valid end
+    time (a duration that is no number, negative or over MAX_DURATION_S; a start that is no epoch time in ns)."""
+    received, duration = record["received_unix_ns"], record["duration_s"]
+    if type(received) is not int or not 0 <= received <= INT_MAX or isinstance(duration, bool) or not isinstance(duration, (int, float)) \
+            or not 0.0 <= duration <= MAX_DURATION_S:  # (NaN fails every comparison)
+        raise ValueError(f"no valid end time (received_unix_ns {str(received)[:32]}, duration_s {str(duration)[:32]})")
+    return received + round(duration * 1e9)
+
+
+def skew(ended: int, now_ns: int, max_age_s: float) -> bool:
+    """Whether a record's end lies outside what a store keeps: before its retention (`max_age_s`; 0: none), or more than
+    SKEW_AHEAD_S after the writer's clock. Such a record is dropped (`clock_skew`): written, it would be deleted at the
+    next pass, or make a partition for a day no proxy has reached."""
+    return ended > now_ns + SKEW_AHEAD_S * 1_000_000_000 or (max_age_s > 0 and ended < now_ns - int(max_age_s * 1e9))
+
+
+def check(record: dict[str, Any]) -> list[str]:
+    """Every figure of a record that a store keeps in a typed column, checked where it is read: one the column cannot
+    hold (NaN, an infinity, a count below zero or past a bigint) is set to null in the record, its name returned (the
+    record is kept; the writer counts them). The proxy's own records never hold one (their sources are checked:
+    chunk.count, engine.py); an imported file, or another version's writer, might."""
+    nulled = []
+    get = record.get
+    for name in CHECKED_REALS:
+        value = get(name)
+        if value is not None and not _real(value):
+            record[name] = None
+            nulled.append(name)
+    for name in CHECKED_COUNTS:
+        value = get(name)
+        if value is not None and not _count(value):
+            record[name] = None
+            nulled.append(name)
+    phases = get("phases_s")
+    if isinstance(phases, dict):
+        for name, value in list(phases.items()):
+            if value is not None and not _real(value):
+                del phases[name]
+                nulled.append("phases_s")
+    elif phases is not None:
+        record["phases_s"] = {}
+        nulled.append("phases_s")
+    return nulled
+
+
+def _real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and -REAL_MAX <= value <= REAL_MAX  # (NaN: False)
+
+
+def _count(value: Any) -> bool:
+    return type(value) is int and 0 <= value <= INT_MAX
 
 
 def verdict(record: dict[str, Any]) -> str:
@@ -136,20 +198,44 @@ def decode_point(record: dict[str, Any]) -> tuple[float, float] | None:
 
 
 class Models:
-    """The model names a writer's aggregates keep by name: the first `cap` it sees; the rest count as
-    `other` there (their records keep their names), as the metrics fold them (labels.py): names are
-    the client's, and random ones would grow the rollup without bound."""
+    """The model names a writer's aggregates keep by name: the names the configuration knows (`known`: its routes' and
+    objectives' exact names, never counted against the cap), then the first `cap` others no upstream refused (labels.served:
+    an engine's 404 for a name it does not have takes no place); the rest count as
+    `other` there, as the metrics fold them (labels.py): names are the client's, and random ones would grow the rollup
+    without bound. A record always keeps its own name (`values`: its `model_name` column when folded)."""
 
-    def __init__(self, cap: int = 100) -> None:
-        self.cap, self.seen = cap, set[str]()
+    def __init__(self, cap: int = 100, known: tuple[str, ...] = ()) -> None:
+        self.cap, self.known, self.seen = cap, frozenset(known), set[str]()
 
-    def __call__(self, model: str) -> str:
-        if model in self.seen:
+    def __call__(self, model: str, served: bool = True) -> str:
+        if model in self.seen or model in self.known:
             return model
-        if len(self.seen) >= self.cap:
+        if len(self.seen) >= self.cap or not served:
             return "other"
         self.seen.add(model)
         return model
+
+
+class Columns:
+    """What a writer makes of its records: each one's figures checked (`check`, what it nulled counted in `nulled` until
+    the writer takes it), its typed columns (`values`, the model folded for the aggregates by `models`) and its
+    compressed JSON (re-serialised only when a figure was nulled)."""
+
+    def __init__(self, max_models: int = 100, known: tuple[str, ...] = ()) -> None:
+        self.models = Models(max_models, known)
+        self.nulled: collections.Counter[str] = collections.Counter()
+
+    def row(self, rid: str, record: dict[str, Any], data: bytes | None = None) -> tuple[Any, ...]:
+        """A record's columns and its stored JSON (`data`: as it came, when nothing is nulled)."""
+        nulled = check(record)
+        if nulled:
+            self.nulled.update(nulled)
+            data = None
+        return (*values(rid, record, self.models), codec.pack(data if data is not None else orjson.dumps(record)))
+
+    def take_nulled(self) -> dict[str, int]:
+        taken, self.nulled = dict(self.nulled), collections.Counter()
+        return taken
 
 
 def _text(value: Any, limit: int = 256) -> str:
@@ -158,7 +244,8 @@ def _text(value: Any, limit: int = 256) -> str:
 
 def values(rid: str, record: dict[str, Any], models: Models | None = None) -> tuple[Any, ...]:
     """The typed columns of one record, in `COLUMNS` order, every text storable (an imported record's
-    too: text.py), the model folded past the writer's cap. (The hot part of an import: written for speed.)"""
+    too: text.py), the model folded past the writer's cap for the aggregates (and kept in `model_name`).
+    Its figures were checked (`check`, `Columns.row`). (The hot part of an import: written for speed.)"""
     get = record.get
     rid = _text(rid, 1024)
     received = int(record["received_unix_ns"])
@@ -166,7 +253,8 @@ def values(rid: str, record: dict[str, Any], models: Models | None = None) -> tu
     good = get("slo_good")
     blame = get("slo_blame")
     model = _text(record["model"])
-    dims = (_text(get("instance") or ""), models(model) if models is not None else model, _text(get("upstream") or ""),
+    folded = models(model, served(int(get("status_code") or 0))) if models is not None else model
+    dims = (_text(get("instance") or ""), folded, _text(get("upstream") or ""),
             _text(get("api") or "other"), _text(get("endpoint") or "other"), _text(record["outcome"]), _text(get("slo") or ""),
             "" if good is None else "good" if good else "miss",
             _text(";".join(f"{missed}={blamed}" for missed, blamed in sorted(blame.items())) if blame else ""), _text(get("tenant") or "unknown"))
@@ -178,4 +266,4 @@ def values(rid: str, record: dict[str, Any], models: Models | None = None) -> tu
             *[None if (v := phases.get(p)) is None else float(v) for p in PHASES], *(prefill_point(record) or (None, None)),
             *(decode_point(record) or (None, None)), int(completion or 0), get("prompt_tokens"),
             completion - (get("hidden_reasoning_tokens") or 0) if completion else None, get("in_flight_at_decode"),
-            _text(get("user")) if get("user") else None)
+            _text(get("user")) if get("user") else None, model if folded != model else None)

@@ -35,7 +35,8 @@ from .partitions import HIST, HIST_BLOCK, ROLLUP, TABLE
 
 log = logging.getLogger("llmproxy.records")
 
-LEVEL = 4  # 4: llmproxy_boots (crash accounting); 3: tenant, end user, phase failover; 2: typed columns, aggregates
+LEVEL = 5  # 5: model_name (a record's own model where the aggregates fold it); 4: llmproxy_boots (crash accounting);
+# 3: tenant, end user, phase failover; 2: typed columns, aggregates
 WRITERS_FROM = 3  # written as store_version: what a version-3 proxy sees as its own (it runs no migration then)
 MIGRATE_LOCK, INDEX_LOCK = 0x6C6D7001, 0x6C6D7005  # advisory locks ("lm" p n; 2-4: postgres.py, partitions.py)
 LOCK_TIMEOUT_MS = 200  # a catalog step's wait for its lock: every writer queued behind it waits at most this
@@ -66,6 +67,7 @@ STEPS: dict[int, tuple[tuple[str, ...], tuple[Index, ...]]] = {
          + ", ".join(f"ADD COLUMN IF NOT EXISTS {name} {'float8' if name.endswith(A.FLOATS) else 'bigint'}" for name in A.V3_SUMS)),
         V3_INDEXES),
     3: ((BOOTS,), ()),
+    4: ((f"ALTER TABLE {TABLE} ADD COLUMN IF NOT EXISTS model_name text",), ()),
 }
 SCHEMA = (
     # The records: the typed columns (columns.py: rid, key, the end time that is the partition key, the

@@ -125,7 +125,8 @@ def _serve(conn: Any, target: str, options: dict[str, Any], instance: str, boot:
 
     writer = Writer(open_backend(target, **options), instance, limits[0], limits[1], lambda: report("error"),
                     lambda reason, n: report("drop", reason, n), lambda stored, waiting: report("batch", stored, waiting),
-                    on_lost=lambda n: report("lost", n), boot=boot, assigned=lambda: assigned.value)
+                    on_lost=lambda n: report("lost", n), boot=boot, assigned=lambda: assigned.value,
+                    on_nulled=lambda field, n: report("nulled", field, n))
     while True:
         try:
             message = conn.recv()
@@ -159,11 +160,11 @@ class Outbox:
 
     def __init__(self, target: str, options: dict[str, Any], instance: str, max_records: int, max_bytes: int, on_error: Callable[[], None],
                  on_drop: Callable[[str, int], None], on_batch: Callable[[int, int], None] | None = None,
-                 on_lost: Callable[[int], None] | None = None) -> None:
+                 on_lost: Callable[[int], None] | None = None, on_nulled: Callable[[str, int], None] | None = None) -> None:
         self.backend = open_backend(target, **options)  # (reads only, from this process)
         self.where = self.backend.where
         self.target, self.options, self.instance, self.limits = target, options, instance, (max_records, max_bytes)
-        self.on_error, self.on_drop, self.on_batch, self.on_lost = on_error, on_drop, on_batch, on_lost
+        self.on_error, self.on_drop, self.on_batch, self.on_lost, self.on_nulled = on_error, on_drop, on_batch, on_lost, on_nulled
         self.boot = f"{os.getpid()}/{time.time_ns()}"
         self._seq = itertools.count(1)
         self._queue: collections.deque[tuple[str, int, bytes, int]] = collections.deque()
@@ -348,6 +349,8 @@ class Outbox:
                 self.on_error()
             elif kind == "lost" and self.on_lost is not None:
                 self.on_lost(message[1])
+            elif kind == "nulled" and self.on_nulled is not None:
+                self.on_nulled(message[1], message[2])
             elif kind == "flushed":
                 event = self._waiting.pop(message[1], None)
                 if event is not None:

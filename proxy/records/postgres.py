@@ -116,9 +116,9 @@ class PostgresBackend:
     retain_every_s = RETAIN_EVERY_S
 
     def __init__(self, url: str, max_rows: int = -1, max_age_s: float = 7 * 86400.0, password_file: str = "", bulk: bool = False,
-                 max_models: int = 100) -> None:
+                 max_models: int = 100, known_models: tuple[str, ...] = ()) -> None:
         self.url, self.password_file = url, password_file
-        self.models = C.Models(max_models)  # (the rollup's model names: the first this writer sees)
+        self.columns = C.Columns(max_models, known_models)  # (the rollup's model names; the figures checked, counted)
         # An import's sessions commit without waiting for the WAL flush (synchronous_commit off, theirs
         # only): a server crash loses their last commits, records and aggregates together (one
         # transaction), and the import run again stores them (it skips the ids already held).
@@ -164,7 +164,7 @@ class PostgresBackend:
         conn = self.conn
         assert conn is not None
         try:
-            values = [(*C.values(r.rid, record, self.models), codec.pack(r.data)) for r in rows for record in (r.parsed(),)]
+            values = [self.columns.row(r.rid, r.parsed(), r.data) for r in rows]
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise Rejected(f"not a record: {exc}") from None
         try:
@@ -277,7 +277,7 @@ class PostgresBackend:
                 try:
                     record = orjson.loads(data)
                     record["id"] = rid
-                    values.append((*C.values(rid, record, self.models), codec.pack(orjson.dumps(record))))
+                    values.append(self.columns.row(rid, record))
                 except (ValueError, TypeError, KeyError, AttributeError):
                     self.moved_bad += 1
             if values:
@@ -385,12 +385,4 @@ class PostgresBackend:
 
 
 def _where(filters: Filters) -> tuple[str, list[Any]]:
-    where = [f"{name} = %s" for name, _ in filters.equal()]
-    args: list[Any] = [value for _, value in filters.equal()]
-    if filters.user:
-        where.append("user_id = %s")
-        args.append(filters.user)
-    if filters.min_ttft:
-        where.append("ttft_s >= %s")
-        args.append(filters.min_ttft)
-    return (f" WHERE {' AND '.join(where)}" if where else ""), args
+    return filters.where("%s")

@@ -35,7 +35,7 @@ from . import columns as C
 from . import sql as A
 from .migration import BOOTS, Newer
 
-STORE_VERSION = 4  # the level (migration.py has what each brought), the same as the fleet store's
+STORE_VERSION = 5  # the level (migration.py has what each brought), the same as the fleet store's
 WRITERS_FROM = 3  # written as store_version: the oldest writers that take this file as it is
 DEFAULT_MAX_ROWS = 1_000_000
 RETAIN_EVERY_S = 1.0
@@ -94,7 +94,8 @@ MIGRATIONS = {2: ("ALTER TABLE llmproxy_records ADD COLUMN tenant TEXT", "ALTER 
                   "ALTER TABLE llmproxy_records ADD COLUMN ph_failover REAL",
                   "ALTER TABLE llmproxy_rollup ADD COLUMN tenant TEXT NOT NULL DEFAULT 'unknown'",
                   *(f"ALTER TABLE llmproxy_rollup ADD COLUMN {name} {'REAL' if name.endswith(A.FLOATS) else 'INTEGER'}" for name in A.V3_SUMS)),
-              3: (BOOTS,)}
+              3: (BOOTS,),
+              4: ("ALTER TABLE llmproxy_records ADD COLUMN model_name TEXT",)}
 
 
 def migrate(db: sqlite3.Connection) -> None:
@@ -125,9 +126,10 @@ def _legacy(db: sqlite3.Connection) -> bool:
 class SQLiteBackend:
     retain_every_s = RETAIN_EVERY_S
 
-    def __init__(self, path: str, max_rows: int = -1, max_age_s: float = 7 * 86400.0, busy_timeout_s: float = 5.0, max_models: int = 100) -> None:
+    def __init__(self, path: str, max_rows: int = -1, max_age_s: float = 7 * 86400.0, busy_timeout_s: float = 5.0, max_models: int = 100,
+                 known_models: tuple[str, ...] = ()) -> None:
         self.path = self.where = path
-        self.models = C.Models(max_models)  # (the rollup's model names: the first this writer sees)
+        self.columns = C.Columns(max_models, known_models)  # (the rollup's model names; the figures checked, counted)
         self.max_rows = DEFAULT_MAX_ROWS if max_rows < 0 else max_rows
         self.max_age_s, self.busy_timeout_s = max_age_s, busy_timeout_s
         self.db: sqlite3.Connection | None = None  # the writer's
@@ -150,7 +152,7 @@ class SQLiteBackend:
         db = self.db
         assert db is not None
         try:
-            values = [(*C.values(r.rid, record, self.models), codec.pack(r.data)) for r in rows for record in (r.parsed(),)]
+            values = [self.columns.row(r.rid, r.parsed(), r.data) for r in rows]
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise Rejected(f"not a record: {exc}") from None
         return self._insert(db, values)
@@ -263,7 +265,7 @@ class SQLiteBackend:
                 record = orjson.loads(data)
                 record.setdefault("instance", "")
                 record["id"] = rid = f"{record['instance']}/v1/{legacy_id}"
-                values.append((*C.values(rid, record, self.models), codec.pack(orjson.dumps(record))))
+                values.append(self.columns.row(rid, record))
             except (ValueError, TypeError, KeyError, AttributeError):
                 self.moved_bad += 1
         self._insert(db, values, ("DELETE FROM requests WHERE id <= ?", (rows[-1][0],)))
@@ -336,12 +338,4 @@ class SQLiteBackend:
 
 
 def _where(filters: Filters) -> tuple[str, list[Any]]:
-    where = [f"{name} = ?" for name, _ in filters.equal()]
-    args: list[Any] = [value for _, value in filters.equal()]
-    if filters.user:
-        where.append("user_id = ?")
-        args.append(filters.user)
-    if filters.min_ttft:
-        where.append("ttft_s >= ?")
-        args.append(filters.min_ttft)
-    return (f" WHERE {' AND '.join(where)}" if where else ""), args
+    return filters.where("?")

@@ -16,12 +16,13 @@ from __future__ import annotations
 import collections
 import gc
 import multiprocessing
+import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable, Iterable
 
-from . import Backend, Rejected, Writer, is_postgres
+from . import Backend, Rejected, Skewed, Writer, is_postgres
 
 WORKERS = 2
 BATCH = 20_000  # rows per transaction (the proxy's own batches: 500 at most; a file in random order touches a rollup row per record or so: 8% faster than 5,000)
@@ -29,14 +30,17 @@ CHUNK = 4 * 1024 * 1024  # bytes of lines handed to a worker at a time (whole li
 BUFFER = 20_000  # records waiting in a worker's writer (a batch taken leaves room for the next: about 34 MB of JSON, under the writer's 64 MB)
 LAG = 2 * BUFFER  # records behind a worker's reading a block is taken as written (what may still be buffered)
 DOWN_S = 30.0  # an import gives up after the store has been unreachable this long
+ERRORS = 10  # bad lines reported by number (the rest counted)
 
 
 @dataclass
 class Imported:
     lines: int = 0
     stored: int = 0
-    rejected: int = 0
+    rejected: int = 0  # lines that are no record, and (of them) `skewed`: records outside the store's window
+    skewed: int = 0
     dropped: int = 0
+    nulled: dict[str, int] = field(default_factory=dict)  # figures no column holds, set to null (the records kept)
     compacted: int = 0  # blocks and hours
     seconds: float = 0.0
     final_s: float = 0.0  # of which compacting what was left at the end
@@ -91,30 +95,38 @@ class _Compactor(threading.Thread):
 
 
 def _work(open_store: Callable[[], Backend], chunks: Any, progress: Any, index: int, results: Any) -> None:
-    """A worker process: chunks of lines through a writer of its own, until a None."""
+    """A worker process: chunks of lines (each with the number of its first line) through a writer of its own, until
+    a None. A line that is no record, or one outside the store's window, is counted and reported with its number."""
     gc.disable()  # (records hold no cycles; a collector walking the buffer's dicts would cost a third of the time)
     dropped: collections.Counter[str] = collections.Counter()
-    writer = Writer(open_store(), "import", BUFFER, 64 * 1024 * 1024, lambda: None, lambda reason, n: dropped.update({reason: n}),
-                    batch=BATCH, retain=False)
+    nulled: collections.Counter[str] = collections.Counter()
+    store = open_store()
+    writer = Writer(store, "import", BUFFER, 64 * 1024 * 1024, lambda: None, lambda reason, n: dropped.update({reason: n}),
+                    batch=BATCH, retain=False, on_nulled=lambda field, n: nulled.update({field: n}))
     # The least end time among the last LAG records read (a sliding minimum: (position, end time), increasing), so that
     # a file in time order advances the compaction behind it and one in random order does not (any block may still get
     # records: compacted early, it would be compacted again).
     lowest: collections.deque[tuple[int, int]] = collections.deque()
-    lines, rejected, failure = 0, 0, ""
+    lines, rejected, skewed, failure = 0, 0, 0, ""
     errors: list[str] = []
-    while (chunk := chunks.get()) is not None:
+    while (item := chunks.get()) is not None:
         if failure:
             continue  # (drained, so that the reader never waits on a full queue)
-        for line in chunk.split(b"\n"):
+        first, chunk = item
+        now = time.time_ns()
+        for number, line in enumerate(chunk.split(b"\n"), start=first):
             if not line.strip():
                 continue
             lines += 1
             try:
-                row = Writer.row(line)
+                row = Writer.row(line, now_ns=now, max_age_s=store.max_age_s)
             except Rejected as exc:
-                rejected += 1
-                if len(errors) < 3:  # (what is reported: a file of junk lines must not grow a list of its own)
-                    errors.append(str(exc))
+                if isinstance(exc, Skewed):
+                    skewed += 1
+                else:
+                    rejected += 1
+                if len(errors) < ERRORS:  # (what is reported: a file of junk lines must not grow a list of its own)
+                    errors.append(f"line {number}: {str(exc)[:300]}")
                 continue
             writer.put_row(row)
             while lowest and lowest[-1][1] >= row.ended_ns:
@@ -127,7 +139,7 @@ def _work(open_store: Callable[[], Backend], chunks: Any, progress: Any, index: 
         if writer.down_s > DOWN_S:
             failure = f"the records store {writer.backend.where} has been unreachable for {DOWN_S:.0f} s"
     writer.close(timeout=3600)
-    results.put((lines, writer.written, rejected, sum(dropped.values()), errors[:3], failure))
+    results.put((lines, writer.written, rejected + skewed, skewed, sum(dropped.values()) - dropped["clock_skew"], dict(nulled), errors, failure))
 
 
 def compact_all(open_store: Callable[[], Backend]) -> int:
@@ -155,6 +167,31 @@ def compact_all(open_store: Callable[[], Backend]) -> int:
     return sum(done)
 
 
+def _put(chunks: Any, item: Any, workers: list[Any]) -> None:
+    """A chunk to the workers' queue: waiting while it is full, but never on workers that are all gone."""
+    while True:
+        try:
+            chunks.put(item, timeout=1.0)
+            return
+        except queue.Full:
+            if not any(worker.is_alive() for worker in workers):
+                raise ValueError("every import worker has stopped") from None
+
+
+def _reports(results: Any, workers: list[Any]) -> list[tuple[Any, ...]]:
+    """Each worker's report; a worker that died without one (killed, out of memory) is a failure said, never a wait."""
+    reports: list[tuple[Any, ...]] = []
+    while len(reports) < len(workers):
+        try:
+            reports.append(results.get(timeout=1.0))
+        except queue.Empty:
+            dead = [worker for worker in workers if not worker.is_alive()]
+            if len(dead) > len(reports) and results.empty():  # (more gone than reported: one went without its report)
+                failed = f"an import worker stopped without its report (exit code {dead[0].exitcode})"
+                reports += [(0, 0, 0, 0, 0, {}, [], failed)] * (len(workers) - len(reports))
+    return reports
+
+
 def run_import(source: BinaryIO, open_store: Callable[[], Backend], warn: Callable[[str], None]) -> Imported:
     """JSON lines from `source` into the store `open_store` opens (once per connection). The reader
     only cuts the stream into chunks of whole lines; the workers parse them."""
@@ -168,36 +205,42 @@ def run_import(source: BinaryIO, open_store: Callable[[], Backend], warn: Callab
         worker.start()
     compactor = _Compactor(open_store())
     compactor.start()
-    rest = b""
+    rest, number = b"", 1  # (the number of the first line not handed out yet)
     try:
         while block := source.read(CHUNK):
             block = rest + block
             cut = block.rfind(b"\n") + 1
             if cut:
-                chunks.put(block[:cut])
+                _put(chunks, (number, block[:cut]), workers)
+                number += block.count(b"\n", 0, cut)
             rest = block[cut:]
             reached = [int(progress[i]) for i in range(WORKERS)]
             if all(reached):
                 compactor.advance(min(reached))
         if rest:
-            chunks.put(rest)
+            _put(chunks, (number, rest), workers)
     finally:
         for _ in workers:
-            chunks.put(None)
-        reports = [results.get() for _ in workers]
+            _put(chunks, None, workers)
+        reports = _reports(results, workers)
         for worker in workers:
-            worker.join()
+            worker.join(5.0)
         compactor.finish()
-    failures = [failure for *_, failure in reports if failure]
+    failures = [report[-1] for report in reports if report[-1]]
     if failures:
         raise ValueError(failures[0])
-    for lines, stored, rejected, dropped, errors, _ in reports:
+    errors = []
+    for lines, stored, rejected, skewed, dropped, nulled, said, _ in reports:
         result.lines += lines
         result.stored += stored
         result.rejected += rejected
+        result.skewed += skewed
         result.dropped += dropped
-        for error in errors:
-            warn(error)
+        for field, count in nulled.items():
+            result.nulled[field] = result.nulled.get(field, 0) + count
+        errors += said
+    for error in sorted(errors, key=lambda e: int(e.split(":", 1)[0].split()[1]))[:ERRORS]:
+        warn(error)
     if compactor.error is not None:
         warn(f"compacting while importing: {compactor.error} (compacted at the end instead)")
     final = time.monotonic()

@@ -18,10 +18,11 @@ from typing import Any, Callable
 
 import orjson
 
+from ..chunk import lenient
 from ..text import storable
-from . import Backend, Filters, Rejected, Row, Unavailable
+from . import Backend, Filters, Rejected, Row, Skewed, Unavailable
 from .boots import Tally, host
-from .columns import ended_ns
+from .columns import ended_ns, skew
 
 log = logging.getLogger("llmproxy.records")
 
@@ -36,14 +37,16 @@ class Writer:
     def __init__(self, backend: Backend, instance: str, max_records: int, max_bytes: int, on_error: Callable[[], None],
                  on_drop: Callable[[str, int], None], on_batch: Callable[[int, int], None] | None = None, batch: int = BATCH,
                  retain: bool = True, on_lost: Callable[[int], None] | None = None, boot: str = "",
-                 assigned: Callable[[], int] | None = None) -> None:
+                 assigned: Callable[[], int] | None = None, on_nulled: Callable[[str, int], None] | None = None) -> None:
         """`on_drop(reason, count)`; `on_batch(written, buffered)` after each batch (the metrics);
         `batch`: rows per transaction at most; without `retain`, no maintenance pass and no boot of its own
         (an import, which compacts once at its end); `on_lost(count)`: records crashed writers lost, as this
         writer's maintenance accounts them (boots.py); `boot`: the numbering its records' ids carry (outbox.py: the
         serving process's), else its own; `assigned`: how far that numbering has gone, records not handed over yet
-        included (outbox.py: the serving process's count, in shared memory), else the newest added."""
+        included (outbox.py: the serving process's count, in shared memory), else the newest added; `on_nulled(field,
+        count)`: figures of records the store's columns could not hold, set to null (the records kept: columns.check)."""
         self.backend, self.instance = backend, instance
+        self.on_nulled = on_nulled
         self.max_records, self.max_bytes = max(1, max_records), max(1, max_bytes)
         self.on_error, self.on_drop, self.on_batch, self.on_lost = on_error, on_drop, on_batch, on_lost
         self.batch = max(1, batch)
@@ -107,17 +110,28 @@ class Writer:
         self._append(Row(row.rid, row.ended_ns, row.data, next(self._seq), row.record), block=True)
 
     @staticmethod
-    def row(line: bytes, seq: int = 0) -> Row:
+    def row(line: bytes, seq: int = 0, now_ns: int = 0, max_age_s: float = 0.0) -> Row:
         """An exported record's row: it keeps its own `id` (one without is named by its content, so a
-        second import skips it too) and its own end time. Rejected: not a record."""
+        second import skips it too) and its own end time. Read as leniently as the proxy reads a request
+        (NaN, an infinity, a huge integer: chunk.lenient), its figures then checked (the store's columns
+        hold what is left: columns.check). Rejected: not a record; Skewed: its end outside the store's
+        window (`now_ns`, `max_age_s`: columns.skew; `now_ns` 0: not checked)."""
         try:
             record = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            record = lenient(line)
+        try:
+            if not isinstance(record, dict):
+                raise TypeError("not a JSON object")
+            ended = ended_ns(record)
             rid = record.get("id") or ""
             if not rid:
                 record["id"] = rid = "import/" + hashlib.sha256(line.strip()).hexdigest()[:32]
                 line = orjson.dumps(record)
-            return Row(str(rid), ended_ns(record), line.strip(), seq, record)
-        except (orjson.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError) as exc:
+            if now_ns and skew(ended, now_ns, max_age_s):
+                raise Skewed(f"its end ({ended} ns) is outside the store's window (its retention, or more than an hour ahead)")
+            return Row(str(rid), ended, line.strip(), seq, record)
+        except (AttributeError, KeyError, TypeError, ValueError, OverflowError) as exc:
             raise Rejected(f"not a record: {exc}") from None
 
     def _append(self, row: Row, block: bool) -> None:
@@ -222,6 +236,17 @@ class Writer:
             self._said.add(kind)
             log.error("%s: %s (further ones of this kind are counted, not logged)", what, kind)
 
+    def _in_window(self, batch: list[Row]) -> list[Row]:
+        """The rows whose end lies where the store keeps records; the others dropped and counted (`clock_skew`): a
+        wrong clock somewhere, or an import of another era, must not make partitions for days no one reached."""
+        now = time.time_ns()
+        kept = [row for row in batch if not skew(row.ended_ns, now, self.backend.max_age_s)]
+        if len(kept) < len(batch):
+            self._drop("clock_skew", len(batch) - len(kept))
+            self._say(ValueError("clock_skew"), "records ending outside the store's window (its retention, or more than an hour ahead of "
+                      "this writer's clock) were dropped and counted")
+        return kept
+
     def _store(self, batch: list[Row]) -> int:
         """The batch written (how many were new). A batch the store refuses for what it holds is split until
         each refused record is alone: that one is dropped and counted, its neighbours are written. An
@@ -293,12 +318,15 @@ class Writer:
             done, stored = not batch, 0  # written, or refused for good: either way it leaves the buffer
             if batch:
                 try:
-                    stored = self._store(batch)  # (fewer than the batch: ids the store already held, or refused ones)
+                    stored = self._store(self._in_window(batch))  # (fewer than the batch: ids the store already held, or refused ones)
                     done = True
                     self.written += stored
                 except Unavailable as exc:
                     self.connected = False
                     self._failed(exc)
+                for field, count in self.backend.columns.take_nulled().items():  # (figures no column holds: nulled, the record kept)
+                    if self.on_nulled is not None:
+                        self.on_nulled(field, count)
             self._settle(batch, written=done, stored=stored)
             if not self.connected:
                 self._pause(backoff)

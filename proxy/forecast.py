@@ -53,8 +53,11 @@ def media(items: list[Any]) -> tuple[int, int]:
     size = count = 0
     for item in items[:MEDIA_ITEMS]:
         if type(item) is dict:
-            found = media_of(item)
-            size, count = size + found[0], count + found[1]
+            get = item.get
+            content, parts, images = get("content"), get("parts"), get("images")
+            if type(content) is list or type(parts) is list or type(images) is list:  # (a message of text only: three lookups)
+                found = media_of(item)
+                size, count = size + found[0], count + found[1]
     return size, count
 
 

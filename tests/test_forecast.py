@@ -46,3 +46,37 @@ def test_a_deadline_is_never_shorter_than_what_the_prompt_is_expected_to_take():
     assert Forecast().deadline_s(1.0, 10_000) == DEADLINE_MARGIN * 10_000 / PRIOR_TOKENS_PER_S
     # Work ahead of it counts (forecast_x is the pending prompt tokens plus its own): expected queueing is no failure.
     assert known.deadline_s(1.0, 100 + 20_000) > DEADLINE_MARGIN * 4.0
+
+
+def test_an_inline_image_is_an_images_tokens_not_its_bytes():
+    """A screenshot sent inline, in each API's shape (a data URI, Anthropic's base64 source, also inside a tool's
+    result, Gemini's inlineData, the Responses API's input_image, Ollama's images): MEDIA_TOKENS each, never its
+    megabyte / 4; text around it counted as before."""
+    import base64
+    import os
+
+    import orjson
+
+    from proxy import prefix
+    from proxy.forecast import MEDIA_TOKENS, media, tokens
+
+    image = base64.b64encode(os.urandom(600_000)).decode()
+    uri = "data:image/png;base64," + image
+    shapes = [
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": uri}}]}]},
+        {"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": image}}]}]},
+        {"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+                                                      "content": [{"type": "image", "source": {"type": "base64", "data": image}}]}]}]},
+        {"contents": [{"role": "user", "parts": [{"text": "hi"}, {"inlineData": {"mimeType": "image/png", "data": image}}]}]},
+        {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": uri}]}]},
+        {"model": "llava", "messages": [{"role": "user", "content": "what is this", "images": [image, image]}]},
+    ]
+    for body in shapes:
+        size = len(orjson.dumps(body))
+        found = media(prefix.sequence(body))
+        pieces = 2 if "images" in str(body)[:200] else 1
+        assert found[1] == pieces and found[0] >= pieces * len(image), (found, str(body)[:80])
+        assert pieces * MEDIA_TOKENS <= tokens(size, found) < pieces * MEDIA_TOKENS + 100, tokens(size, found)
+        made = prefix.chain(body, tokens(size, found))
+        assert made is not None and made.total < pieces * MEDIA_TOKENS + 100  # (the index's capacity: an image's estimate too)
+    assert media(prefix.sequence({"messages": [{"role": "user", "content": "data:image/png;base64," + image}]})) == (0, 0)  # text is text

@@ -139,3 +139,96 @@ def test_the_admin_key_is_out_of_any_scripts_reach(sim, proxy_factory):
             assert httpx.get(f"{proxy.url}/llmproxy/requests", cookies={"llmproxy_ui": "admin-secret-7e1"}).status_code == 401
         finally:
             browser.close()
+
+
+def corpus() -> list[tuple[str, bytes, dict[str, str]]]:
+    """(path, body, headers) a hostile or broken client sends: legal JSON an engine rejects or truncates cheaply, and
+    what no JSON parser takes. The large ones are answered 400 by the simulator before it parses them (an engine
+    refusing an over-long prompt)."""
+    import orjson
+
+    refuse = {"x-sim-error-status": "400"}
+    markup = "<img src=x onerror=window.__ran.push(`corpus`)>"
+    long = "<b>" + "x" * 20_000
+    chat = b"/v1/chat/completions"
+    image = "data:image/png;base64," + "iVBORw0KGgo" * 100_000
+    out = [
+        ("/v1/completions", orjson.dumps({"model": "sim-7b", "prompt": [7] * 450_000, "max_tokens": 1}), refuse),
+        ("/v1/chat/completions", orjson.dumps({"model": "sim-7b", "messages": [{"role": "user", "content": ""}] * 60_000}), refuse),
+        ("/v1/completions", orjson.dumps({"model": "sim-7b", "prompt": [[3]] * 200_000, "max_tokens": 1}), refuse),
+        ("/v1/chat/completions", orjson.dumps({"model": long, "user": long, "messages": [{"role": "user", "content": long}], "max_tokens": 2}), {}),
+        ("/v1/chat/completions", b'{"model": "sim-7b", "messages": [{"role": "user", "content": ' + b"[" * 5000 + b"]" * 5000 + b"}]}", {}),
+        ("/v1/chat/completions", b'{"model": "huge", "max_tokens": 2, "n": 1, "seed": 123456789012345678901234567890, "temperature": NaN, '
+                                 b'"top_p": 1e400, "messages": [{"role": "user", "content": "hi"}]}', {}),
+        ("/v1/chat/completions", b'{"model": "bad-\xff\xfe-utf8", "messages": [{"role": "user", "content": "hi \xc3"}]}', {}),
+        ("/v1/chat/completions", orjson.dumps({"model": markup, "user": markup, "max_tokens": 2, "stream": True,
+                                               "messages": [{"role": "user", "content": markup, "name": markup}],
+                                               "tools": [{"type": "function", "function": {"name": markup, "parameters": {}}}]}),
+         {"x-end-user": markup}),
+        ("/v1/chat/completions", b'{"model": "surrogate-\\ud800", "user": "u-\\udfff", "stream": true, "max_tokens": 2, '
+                                 b'"messages": [{"role": "user", "content": "hi \\ud800 there"}]}', {}),
+        ("/v1/chat/completions", orjson.dumps({"model": "sim-7b", "max_tokens": 2, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": image}}]}]}), {}),
+        ("/v1/chat/completions", b"[1, 2, 3]", {}),
+        ("/v1/chat/completions", b'"just a string"', {}),
+        ("/v1/chat/completions", b"null", {}),
+        ("/v1/chat/completions", b"   ", {}),
+        ("/v1/chat/completions", orjson.dumps({"model": ["a", "list"] * 1000, "messages": [{"role": "user", "content": "hi"}]}), {}),
+        ("/v1/chat/completions", orjson.dumps({"model": {"a": 1}, "messages": {"role": "user"}, "stream": "yes"}), {}),
+        ("/v1/messages", orjson.dumps({"model": markup, "max_tokens": 2, "system": [{"type": "text", "text": markup}],
+                                       "messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "data": image}}]}]}), {}),
+        ("/v1/responses", orjson.dumps({"model": "sim-7b", "input": [{"role": "user", "content": [{"type": "input_text", "text": "x"}]}] * 5000,
+                                        "max_output_tokens": 2}), {}),
+    ]
+    assert chat  # (the paths above are the APIs' own)
+    return out
+
+
+def test_a_corpus_of_hostile_bodies_through_the_proxy_to_the_store_the_metrics_and_the_page(sim, proxy_factory, tmp_path):
+    """Every body of the corpus, through a proxy that indexes every prompt (a route placed by prefix cache): each gets
+    an answer (the upstream's, or the proxy's own error in OpenAI's shape), has its record, every stored string
+    storable; telemetry never failed; the scrape parses; the page draws every record as text; and an ordinary
+    request is served as before, afterwards."""
+    import orjson
+    from prometheus_client.parser import text_string_to_metric_families
+
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(f"upstreams:\n  - {{name: a, url: {sim.url}/v1}}\n  - {{name: b, url: {sim.url}/v1}}\n"
+                      "routes:\n  - {models: ['*'], upstreams: [a, b], pick: predicted_ttft}\n")
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text("tenants:\n  - header: {name: x-tenant, values: any}\nusers:\n  header: x-end-user\n")
+    proxy = proxy_factory(routes=str(routes), tenants=str(tenants))
+    sent = corpus()
+    with httpx.Client(base_url=proxy.url, timeout=60) as client:
+        for path, body, headers in sent:
+            response = client.post(path, content=body, headers={"content-type": "application/json", "x-tenant": "<i>t</i>", **headers})
+            assert response.status_code < 500 or response.json()["error"]["message"], (path, body[:80], response.status_code, response.text[:200])
+        ok = client.post("/v1/chat/completions", json={"model": "sim-7b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"]
+    records = proxy.wait_records(len(sent) + 1, timeout=30)
+    assert len(records) == len(sent) + 1
+    for record in records:
+        for value in (record["model"], record.get("user") or "", record.get("tenant") or "", record.get("response_model") or ""):
+            assert len(value) <= 256 and not any(0xD800 <= ord(c) <= 0xDFFF or ord(c) < 0x20 for c in value), value[:80]
+    by_model = {r["model"]: r for r in records}
+    assert "surrogate-\ufffd" in by_model and by_model["surrogate-\ufffd"]["user"] == "u-_"  # (kept, made storable: not `unknown`)
+    assert by_model["surrogate-\ufffd"]["prompt_tokens"] and by_model["huge"]["outcome"] == "ok"
+    assert ("<b>" + "x" * 253) in by_model  # (a 20,000-character model: its first 256 characters)
+    scrape = httpx.get(f"{proxy.url}/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(scrape)}
+    errors = {s.labels["component"]: s.value for s in families["llmproxy_telemetry_errors"].samples if s.name.endswith("_total")}
+    assert not any(errors.values()), errors
+    assert "\x00" not in scrape and "\ud800" not in scrape
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser, context, page = browser_page(p, f"{proxy.url}/ui")
+        try:
+            wait_for(page, f"document.querySelectorAll('.row').length === {len(records)}")
+            hold_still(page)
+            for index in range(len(records)):
+                page.locator(".row").nth(index).click()
+            assert page.evaluate("window.__ran") == [] and page.evaluate("window.__violations") == []
+        finally:
+            browser.close()
+    assert orjson.loads(httpx.get(f"{proxy.url}/llmproxy/requests", params={"model": "huge"}).content)[0]["model"] == "huge"

@@ -7,7 +7,7 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from proxy.labels import ModelLabels
+from proxy.labels import ModelLabels, served
 from proxy.metrics import METRICS, ProxyMetrics
 from proxy.timing import split
 
@@ -58,6 +58,21 @@ def test_model_labels_are_capped():
     sets = ModelLabels(100, max_sets=3)
     chosen = [sets.label_set(m, "u", e, "true", "t")[0] for m, e in (("a", "chat"), ("a", "messages"), ("b", "chat"), ("b", "messages"), ("a", "chat"))]
     assert chosen == ["a", "a", "b", "other", "a"]  # the fourth set is over the budget; known sets keep their model
+
+
+def test_no_client_crowds_the_configured_models_out():
+    """A client sending 100 junk names first: the names the configuration knows (its routes', its objectives') are
+    kept whatever came before; a name the upstream refused (its 404, the proxy's own for a model it does not route)
+    takes no place; a served one does."""
+    cap = ModelLabels(100)
+    cap.know(("llama-3-8b", "qwen3-8b"))
+    refused = [cap(f"junk-{i}", served(404)) for i in range(100)]
+    assert set(refused) == {"other"}
+    assert [cap("llama-3-8b", served(500)), cap("qwen3-8b", served(200)), cap("new-model", served(200)), cap("busy", served(429))] == [
+        "llama-3-8b", "qwen3-8b", "new-model", "busy"]  # (a 429 is overload: the model exists)
+    for i in range(98):
+        cap(f"served-{i}", True)
+    assert cap("one-too-many", True) == "other" and cap("llama-3-8b", True) == "llama-3-8b"  # past the cap, the known ones still
 
 
 def test_past_the_budget_the_model_folds_first_then_the_tenant():

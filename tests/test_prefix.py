@@ -178,3 +178,45 @@ def test_a_long_message_is_told_apart_by_every_character_and_key():
     assert head({"instructions": text, "tools": [{"name": "t"}]}) == head(heads[2])
     # An engine does not render cache_control, whatever its value: a long message with one hashes as without.
     assert first({"role": "system", "content": text, "cache_control": "ephemeral"}) == first(variants[0])
+
+
+def test_a_hostile_body_costs_a_few_links_whatever_it_holds():
+    """Bodies an engine rejects or truncates cheaply, each legal JSON: a completions prompt of 450,000 token ids, a
+    chat of 60,000 empty messages, a batch of 200,000 one-token prompts. Each is a few hundred links at most, every
+    link has a size, the whole prompt is still counted (its unlinked rest), and an index holds at most LINKS_MAX links
+    however many such prompts it is sent (its memory: a link is an int key and an int in an ordered dict)."""
+    import orjson
+
+    from proxy import prefix
+    from proxy.forecast import tokens
+
+    bodies = [{"model": "m", "prompt": [7] * 450_000}, {"model": "m", "messages": [{"role": "user", "content": ""}] * 60_000},
+              {"model": "m", "prompt": [[3]] * 200_000}]
+    index = Index()
+    for body in bodies:
+        size = tokens(len(orjson.dumps(body)))
+        made = chain(body, size)
+        assert made is not None and len(made.hashes) <= prefix.ITEMS_LINKED * 32 // prefix.LINK_BYTES + 2, len(made.hashes)
+        assert min(made.tokens) >= 1 and made.total == max(size, sum(made.tokens)) and made.rest > 0
+        index.sent(made)
+        assert index.match(made) == sum(made.tokens)  # (what is linked is matched; the rest is only counted)
+    for i in range(prefix.LINKS_MAX + 1000):  # tiny prompts, each of its own: past the bound in links long before the one in tokens
+        index.sent(chain({"messages": [{"role": "user", "content": f"hi {i}"}]}))
+    assert len(index.links) == prefix.LINKS_MAX and index.held < index.capacity
+
+
+def test_small_messages_share_a_link_and_a_conversation_still_matches():
+    """A conversation of short turns ("ok", "go on"): links of at least LINK_BYTES, and each turn still matches all of the
+    last one's but its final link's bytes (less than a link: within the engine's block rounding plus TOLERANCE)."""
+    from proxy import prefix
+
+    messages = [{"role": "system", "content": "be brief"}]
+    index, before = Index(), None
+    for turn in range(40):
+        messages += [{"role": "user", "content": f"go on {turn}"}, {"role": "assistant", "content": "ok"}]
+        now = chain({"messages": list(messages)})
+        assert now is not None and len(now.hashes) <= 3 + len(messages) // 4  # (small messages share links)
+        if before is not None:
+            assert before.total - prefix.LINK_BYTES // 4 - 2 <= index.match(now) <= before.total
+        index.sent(now)
+        before = now

@@ -477,3 +477,97 @@ def test_a_stopped_writer_process_never_holds_up_a_request_nor_grows_the_serving
         assert "m405" in models  # the newest kept, whole: no message was cut short on the pipe
     finally:
         outbox.close()
+
+
+def test_a_record_keeps_its_own_model_past_the_writers_cap(tmp_path):
+    """The aggregates keep 3 names here (--max-models) besides the configuration's: a client's junk names, refused by
+    the engine (404), take none of the places; served ones do, and past them a name is `other` in the aggregates
+    only. Every record keeps its model, and the list finds it by that model."""
+    path = str(tmp_path / "r.sqlite")
+    store = Writer(SQLiteBackend(path, 0, 0.0, 5.0, max_models=3, known_models=("configured",)), "test", 1000, 10**7, lambda: None,
+                   lambda reason, n: None)
+    for i in range(100):
+        store.add(record(model=f"junk-{i}", outcome="upstream_error", status_code=404))
+    for name in ("a", "b", "c", "late", "configured"):
+        store.add(record(model=name, status_code=200))
+    store.flush()
+    store.close()
+    db = sqlite3.connect(path)
+    try:
+        stored = {m: (column, own) for m, column, own in db.execute(
+            "SELECT CASE WHEN model_name IS NULL THEN model ELSE model_name END, model, model_name FROM llmproxy_records")}
+        rollup = {m for (m,) in db.execute("SELECT DISTINCT model FROM llmproxy_rollup")}
+    finally:
+        db.close()
+    assert stored["a"] == ("a", None) and stored["late"] == ("other", "late") and stored["configured"] == ("configured", None)
+    assert stored["junk-7"] == ("other", "junk-7")
+    assert rollup == {"a", "b", "c", "configured", "other"}
+    backend = SQLiteBackend(path)
+    assert [orjson.loads(r)["model"] for r in backend.recent(10, Filters(model="late"))] == ["late"]
+    assert [orjson.loads(r)["model"] for r in backend.recent(10, Filters(model="a"))] == ["a"]
+    folded = [orjson.loads(r)["model"] for r in backend.recent(1000, Filters(model="other"))]  # (an alert's link on model="other")
+    assert len(folded) == 101 and "late" in folded and "other" not in folded  # each with its own name
+
+
+def test_figures_no_column_holds_are_nulled_and_counted_and_the_record_kept(tmp_path):
+    """An imported line (or another writer's record) with NaN, an infinity, a count past a bigint or below zero:
+    read as leniently as a request, each such figure set to null and counted by field, the record stored."""
+    path = str(tmp_path / "r.sqlite")
+    nulled: list[tuple[str, int]] = []
+    store = Writer(SQLiteBackend(path), "test", 1000, 10**7, lambda: None, lambda reason, n: None, on_nulled=lambda f, n: nulled.append((f, n)))
+    now = time.time_ns()
+    lines = [b'{"id": "a", "endpoint": "chat", "outcome": "ok", "model": "m", "received_unix_ns": %d, "duration_s": 0.5, '
+             b'"ttft_s": NaN, "decode_tokens_per_second": Infinity, "prompt_tokens": 123456789012345678901234567890, '
+             b'"completion_tokens": -4, "phases_s": {"prefill": -Infinity, "decode": 0.2}}' % now,
+             b'{"id": "b", "endpoint": "chat", "outcome": "ok", "model": "m", "received_unix_ns": %d, "duration_s": 0.5, "ttft_s": 0.1, '
+             b'"prompt_tokens": 10, "completion_tokens": 5, "phases_s": {"prefill": 0.1, "decode": 0.4}}' % now]
+    for line in lines:
+        store.put_row(Writer.row(line))
+    store.flush()
+    store.close()
+    assert sorted(nulled) == [("completion_tokens", 1), ("decode_tokens_per_second", 1), ("phases_s", 1), ("prompt_tokens", 1), ("ttft_s", 1)]
+    kept = {r["id"]: r for r in map(orjson.loads, SQLiteBackend(path).recent(10, Filters()))}
+    assert set(kept) == {"a", "b"}
+    assert kept["a"]["ttft_s"] is None and kept["a"]["prompt_tokens"] is None and kept["a"]["completion_tokens"] is None
+    assert kept["a"]["phases_s"] == {"decode": 0.2} and kept["b"]["prompt_tokens"] == 10
+
+
+def test_a_record_outside_the_stores_window_is_dropped_as_clock_skew(tmp_path):
+    """A record that ended an hour and more ahead of the writer's clock (a wrong clock), or before the store's retention:
+    never written (no partition for a far day), counted as clock_skew; its neighbours written."""
+    path = str(tmp_path / "r.sqlite")
+    drops: list[tuple[str, int]] = []
+    store = writer(path, [], drops, max_age_s=3600.0)
+    hour = 3600 * 10**9
+    for at in (time.time_ns(), time.time_ns() + 2 * hour, time.time_ns() - 2 * hour, time.time_ns() + hour // 2):
+        store.add(record(received_unix_ns=at))
+    store.flush()
+    store.close()
+    assert drops == [("clock_skew", 2)] and len(recent(path, 10)) == 2
+    with pytest.raises(Exception, match="outside the store's window"):
+        Writer.row(orjson.dumps(record(received_unix_ns=time.time_ns() + 2 * hour)), now_ns=time.time_ns(), max_age_s=3600.0)
+
+
+def test_records_import_reports_each_bad_line_by_number_and_goes_on(tmp_path):
+    """A file of good records among lines that are no record (not JSON, an end time no clock has, a duration of 1e308
+    that once made a worker die and the import wait for it forever) and records outside the window: every good one
+    stored, each bad line named by its number, the import's exit status 1, within its time."""
+    import subprocess
+    import sys
+
+    now = time.time_ns()
+    good = [orjson.dumps(record(received_unix_ns=now - i * 10**9, id=f"g{i}")) for i in range(20)]
+    bad = {3: b"{not json", 7: orjson.dumps(record(duration_s=1e308, id="huge")), 11: orjson.dumps(record(received_unix_ns=-5, id="neg")),
+           15: orjson.dumps(record(received_unix_ns=now + 10**18, id="future")), 18: b'{"id": "nan", "duration_s": NaN}'}
+    lines = []
+    for number in range(1, 26):
+        lines.append(bad[number] if number in bad else good.pop() if good else b"")
+    source = tmp_path / "records.jsonl"
+    source.write_bytes(b"\n".join(lines) + b"\n")
+    done = subprocess.run([sys.executable, "-m", "proxy", "records", "import", "--db", str(tmp_path / "r.sqlite")], stdin=source.open("rb"),
+                          capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 1, done.stderr
+    for number in bad:
+        assert f"line {number}:" in done.stderr, done.stderr
+    assert "20 records stored" in done.stderr and "1 outside the store's window (clock_skew)" in done.stderr, done.stderr
+    assert len(recent(str(tmp_path / "r.sqlite"), 100)) == 20

@@ -127,7 +127,10 @@ def ended_ns(record: dict[str, Any]) -> int:
     if type(received) is not int or not 0 <= received <= INT_MAX or isinstance(duration, bool) or not isinstance(duration, (int, float)) \
             or not 0.0 <= duration <= MAX_DURATION_S:  # (NaN fails every comparison)
         raise ValueError(f"no valid end time (received_unix_ns {str(received)[:32]}, duration_s {str(duration)[:32]})")
-    return received + round(duration * 1e9)
+    ended = received + round(duration * 1e9)
+    if ended > INT_MAX:
+        raise ValueError(f"no valid end time (received_unix_ns {received} and duration_s {duration} end past a bigint)")
+    return ended
 
 
 def skew(ended: int, now_ns: int, max_age_s: float) -> bool:

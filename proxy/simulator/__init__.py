@@ -53,6 +53,8 @@ from .cache import PrefixCache
 from .schedule import Plan, SimConfig, SimStats
 from .compression import encoded
 from .. import apis
+from ..chunk import json_object
+from ..text import dumps, storable
 from ..tokens import Tokenizer
 
 # Each is one token in cl100k_base and o200k_base, so chunk text and token counts agree.
@@ -140,10 +142,8 @@ class Simulator:
             extra = [(b"retry-after", retry_after.encode())] if retry_after else []
             error = {"error": {"message": f"simulated error {status}", "type": "simulated_error", "code": str(status), "param": None}}
             return await self._reply(send, _json_response(status, error, extra))
-        try:
-            request = orjson.loads(body)
-            assert isinstance(request, dict)
-        except (orjson.JSONDecodeError, AssertionError):
+        request = json_object(body)  # (as an engine reads it: Python's json where orjson refuses, chunk.py)
+        if request is None:
             return await self._reply(send, _json_response(400, {"error": {"message": "invalid JSON body", "type": "invalid_request_error", "code": "invalid_json", "param": None}}))
         self.stats.last_body = request
         send = encoded(send, headers)  # x-sim-content-encoding: the body compressed, read by read
@@ -238,14 +238,14 @@ class Simulator:
     async def _generate(self, scope: dict[str, Any], receive: Any, send: Any, kind: str, request: dict[str, Any], headers: dict[str, str], received: float) -> None:
         cfg = self.config
         self.stats.last_received = received
-        model = str(request.get("model") or "sim-7b")
+        model = storable(str(request.get("model") or "sim-7b"), 1024)  # (echoed in every chunk: a lone surrogate is no UTF-8)
         if headers.get("x-sim-reject-stream-options") == "1" and "stream_options" in request:
             error = {"error": {"message": "Unrecognized request argument supplied: stream_options", "type": "invalid_request_error", "param": None, "code": None}}
             return await self._reply(send, _json_response(400, error))
         api = {"messages": anthropic, "generate_content": gemini, "ollama_chat": ollama, "ollama_generate": ollama}.get(kind, openai)
         parts = api.prompt_parts(kind, request)
         plan = self._plan(self.tokenizer.count_parts(parts), request, headers, parts.texts)
-        digest = hashlib.sha1(orjson.dumps([model, request.get("messages"), request.get("prompt"), request.get("max_tokens")])).hexdigest()[:24]
+        digest = hashlib.sha1(dumps([model, request.get("messages"), request.get("prompt"), request.get("max_tokens")])).hexdigest()[:24]
         ident = {"chat": "chatcmpl-", "responses": "resp_", "messages": "msg_"}.get(kind, "cmpl-") + digest
         created = FIXED_CREATED if cfg.deterministic else int(time.time())
         stream = request.get("stream") is True

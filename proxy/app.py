@@ -7,17 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import hashlib
-import hmac
 import logging
 import os
-import re
 import signal
 import time
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any, AsyncIterator
-from urllib.parse import parse_qs
 
 import orjson
 from fastapi import FastAPI, Request, Response
@@ -30,12 +25,12 @@ from .records.outbox import Outbox
 from .acceptor import ProxyLoop
 from .admission import Admission, raise_open_files_limit, worker_cap
 from .config import Settings
-from .errors import error_body
 from .meters import Meters, build_meters
 from .metrics import ProxyMetrics, multiprocess_enabled
 from .relay import Exchange
 from .request import KEY_HEADERS, filter_headers
 from .offload import Offload
+from .page import HEADERS, NO_SNIFF, Gate, files
 from .telemetry import Telemetry
 from .tokens import Tokenizer
 from .tracing import Tracing, build_tracer_provider
@@ -48,22 +43,6 @@ log = logging.getLogger("llmproxy")
 SETTINGS_ENV = "LLMPROXY_SETTINGS_JSON"
 RECORDS_FLUSH_S = 5.0  # at shutdown, after the drain: what the records buffer may take to reach the store
 ADMIN_PATHS = ("/metrics", "/healthz", "/ui")  # and /llmproxy/*: never relayed
-UI_FILES = (("/ui", "waterfall.html", "text/html; charset=utf-8"), ("/llmproxy/ui/waterfall.js", "waterfall.js", "text/javascript; charset=utf-8"),
-            ("/llmproxy/ui/waterfall.css", "waterfall.css", "text/css; charset=utf-8"))
-OPEN_PATHS = frozenset(("/healthz", "/llmproxy/login", *(path for path, _, _ in UI_FILES)))  # with --admin-key, all else asks for it
-UI_COOKIE = "llmproxy_ui"
-BACK = re.compile(r"\?[!-\"$-~]{0,2000}")  # this page's own query: printable ASCII but the fragment's #, never a header
-NO_SNIFF = {"x-content-type-options": "nosniff"}  # (a JSON answer holding a client's markup is never read as a page)
-# The page and its files: no inline script or style, nothing from another origin, no framing, no referrer. What a
-# client sent reaches the page as text only (waterfall.js); this is what stops a miss there from running.
-PAGE_HEADERS = {**NO_SNIFF, "content-security-policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
-                "connect-src 'self'; form-action 'self'; base-uri 'none'; frame-ancestors 'none'",
-                "referrer-policy": "no-referrer", "x-frame-options": "DENY", "cache-control": "no-store"}
-
-
-def ui_session(admin_key: str) -> str:
-    """The page's cookie for an admin key: a keyed hash that stands for the key, the same in every worker and replica."""
-    return hmac.new(admin_key.encode(), b"llmproxy /ui session", hashlib.sha256).hexdigest()
 
 
 class ProxyApp:
@@ -275,23 +254,16 @@ class ProxyApp:
             self._sample()
             return metrics.render(accept)
 
-        here = Path(__file__).parent
-        page = {path: ((here / name).read_bytes(), kind) for path, name, kind in UI_FILES}
-        session = ui_session(admin_key) if admin_key else ""
+        page, gate = files(), Gate(admin_key)
 
         @app.middleware("http")
         async def protect(request: Request, call_next: Any) -> Response:
-            # /ui and its files hold no data: the data endpoints ask for the key (a header, or the page's cookie).
-            path = request.url.path
-            if admin_key and path not in OPEN_PATHS:
-                given = request.headers.get("authorization", "")
-                cookie = request.cookies.get(UI_COOKIE, "")
-                if not (hmac.compare_digest(given.encode(), f"Bearer {admin_key}".encode())
-                        or (cookie and hmac.compare_digest(cookie.encode(), session.encode()))):
-                    return Response(error_body("missing or incorrect admin key", "invalid_request_error", "invalid_api_key"),
-                                    status_code=401, media_type="application/json", headers=NO_SNIFF)
+            # /ui and its files hold no data: the data endpoints ask for the key (page.py).
+            refused = gate.refused(request)
+            if refused is not None:
+                return refused
             response: Response = await call_next(request)
-            response.headers.update(PAGE_HEADERS if path in page else NO_SNIFF)
+            response.headers.update(HEADERS if request.url.path in page else NO_SNIFF)
             return response
 
         @app.get("/healthz")
@@ -316,18 +288,8 @@ class ProxyApp:
 
         @app.post("/llmproxy/login")
         async def login(request: Request) -> Response:
-            """The page's login form (--admin-key): the key posted once, answered with a cookie that stands for it (a
-            keyed hash: the key itself is never in the cookie) and that no script can read (HttpOnly), nor any other site
-            send (SameSite=Strict); then back to the page's view (its query), or to the form again when the key is wrong."""
-            form = parse_qs((await request.body()).decode("utf-8", "replace"), max_num_fields=4)
-            back = form.get("back", [""])[0]
-            back = back if BACK.fullmatch(back) else ""  # (only this page's own query: never another place, never a header)
-            given = form.get("key", [""])[0]
-            if not admin_key or not hmac.compare_digest(given.encode(), admin_key.encode()):
-                return Response(status_code=303, headers={"location": f"/ui{back}#refused"})
-            response = Response(status_code=303, headers={"location": f"/ui{back}"})
-            response.set_cookie(UI_COOKIE, session, httponly=True, samesite="strict", path="/", secure=request.url.scheme == "https")
-            return response
+            """The page's login form (--admin-key): page.py."""
+            return await gate.login(request)
 
         @app.get("/llmproxy/requests")
         async def requests(limit: int = 100, model: str = "", upstream: str = "", outcome: str = "", api: str = "", slo: str = "",

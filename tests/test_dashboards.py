@@ -89,7 +89,7 @@ def test_every_alert_says_what_to_look_at_first_and_each_pointer_exists():
     from urllib.parse import parse_qsl
 
     titles = {p["title"] for p in dashboard()["panels"]}
-    page = (ROOT / "proxy" / "waterfall.html").read_text()
+    page = (ROOT / "proxy" / "waterfall.js").read_text()
     filters = set(re.search(r"const FILTERS = \[([^\]]*)\]", page).group(1).replace('"', "").replace(" ", "").split(","))
     for alert in (r for r in rules() if "alert" in r):
         text = alert["annotations"]["first_look"]
@@ -159,7 +159,7 @@ def test_the_slo_rules_are_generated_from_the_example_objectives_and_pass_promto
         assert f"'{generate.ROW_SLO}'" in first_look and generate.ROW_SLO in titles and generate.PANEL_SLO_MISSES in titles
         args = parser().parse_args(first_look.split("`")[1].split()[1:])
         assert args.command == "explain" and args.slo and args.since
-        page = (ROOT / "proxy" / "waterfall.html").read_text()
+        page = (ROOT / "proxy" / "waterfall.js").read_text()
         assert f"/ui?slo={alert['labels']['slo']}&verdict=miss" in first_look and '"slo", "verdict"' in page
 
 

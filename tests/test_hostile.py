@@ -115,6 +115,14 @@ def test_the_admin_key_is_out_of_any_scripts_reach(sim, proxy_factory):
     httpx.post(f"{proxy.v1}/chat/completions", json={"model": "sim-7b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
                timeout=30)
     assert httpx.get(f"{proxy.url}/llmproxy/ui/waterfall.js").status_code == 200  # (the page's files hold no data)
+    # The login form is open to anyone: a body past its size is refused, a body of many fields or another place to go
+    # back to is a refusal that leads back to the page only.
+    assert httpx.post(f"{proxy.url}/llmproxy/login", content=b"key=" + b"x" * 100_000).status_code == 413
+    for body, place, cookie in (("&".join(f"f{i}=1" for i in range(50)), "/ui#refused", False),
+                                ("key=admin-secret-7e1&back=//evil.example/x", "/ui", True),
+                                ("key=nope&back=?a%0d%0aSet-Cookie:x=1", "/ui#refused", False)):
+        answer = httpx.post(f"{proxy.url}/llmproxy/login", content=body, headers={"content-type": "application/x-www-form-urlencoded"})
+        assert (answer.status_code, answer.headers["location"], "set-cookie" in answer.headers) == (303, place, cookie), body
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:

@@ -221,7 +221,7 @@ def test_concurrent_starts_migrate_once_and_a_newer_schema_is_refused(clean):
     backend = PostgresBackend(pg.dsn, 0, 0.0, str(pg.password_file))
     from proxy.records import Unavailable
 
-    with pytest.raises(Unavailable, match="takes writers of version 99 or newer and this proxy writes version 4: upgrade this replica"):
+    with pytest.raises(Unavailable, match=f"takes writers of version 99 or newer and this proxy writes version {STORE_VERSION}: upgrade this replica"):
         backend.open()
     pg.query("UPDATE llmproxy_meta SET value = %s WHERE key = 'store_version'", str(WRITERS_FROM))
 

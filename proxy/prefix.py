@@ -43,9 +43,9 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-from .forecast import media_of
-from .forecast import tokens as estimate
+from .forecast import media_of, tokens as estimate
 from .text import dumps
+
 CAPACITY_TOKENS = 1_000_000  # what an index holds per replica at most (an engine with a large KV cache; the reports correct it)
 MIN_CAPACITY = 10_000
 TOLERANCE = 256  # tokens: an engine caches whole blocks, the estimate is bytes / 4

@@ -83,7 +83,7 @@ class Filters:
 
     def where(self, mark: str) -> tuple[str, list[Any]]:
         """The SQL selection (` WHERE …`, or "") and its arguments, `mark` each argument's placeholder. A model is
-        found under its own name, or under `other` with its name kept beside (columns.Models: a writer's aggregates
+        found under its own name, or under `other` with its name kept beside (columns.Columns: a writer's aggregates
         fold names past its cap, never its records)."""
         where: list[str] = []
         args: list[Any] = []

@@ -32,7 +32,7 @@ from typing import Any
 import orjson
 
 from ..buckets import DURATION_BUCKETS, TTFT_BUCKETS
-from ..labels import served
+from ..labels import ModelLabels, served
 from ..text import storable
 from . import codec
 
@@ -200,32 +200,19 @@ def decode_point(record: dict[str, Any]) -> tuple[float, float] | None:
     return float(record["in_flight_at_decode"]), 1.0 / tps
 
 
-class Models:
-    """The model names a writer's aggregates keep by name: the names the configuration knows (`known`: its routes' and
-    objectives' exact names, never counted against the cap), then the first `cap` others no upstream refused (labels.served:
-    an engine's 404 for a name it does not have takes no place); the rest count as
-    `other` there, as the metrics fold them (labels.py): names are the client's, and random ones would grow the rollup
-    without bound. A record always keeps its own name (`values`: its `model_name` column when folded)."""
-
-    def __init__(self, cap: int = 100, known: tuple[str, ...] = ()) -> None:
-        self.cap, self.known, self.seen = cap, frozenset(known), set[str]()
-
-    def __call__(self, model: str, served: bool = True) -> str:
-        if model in self.seen or model in self.known:
-            return model
-        if len(self.seen) >= self.cap or not served:
-            return "other"
-        self.seen.add(model)
-        return model
-
-
 class Columns:
     """What a writer makes of its records: each one's figures checked (`check`, what it nulled counted in `nulled` until
     the writer takes it), its typed columns (`values`, the model folded for the aggregates by `models`) and its
-    compressed JSON (re-serialised only when a figure was nulled)."""
+    compressed JSON (re-serialised only when a figure was nulled).
+
+    The aggregates keep model names as the metrics do, by the same rule (labels.ModelLabels): the configuration's
+    names (`known`: its routes' and objectives' exact names) always, then the first `max_models` others no upstream
+    refused; the rest count as `other` there (names are the client's: random ones would grow the rollup without
+    bound). A record always keeps its own name (`values`: its `model_name` column when folded)."""
 
     def __init__(self, max_models: int = 100, known: tuple[str, ...] = ()) -> None:
-        self.models = Models(max_models, known)
+        self.models = ModelLabels(max_models)
+        self.models.know(known)
         self.nulled: collections.Counter[str] = collections.Counter()
 
     def row(self, rid: str, record: dict[str, Any], data: bytes | None = None) -> tuple[Any, ...]:
@@ -245,7 +232,7 @@ def _text(value: Any, limit: int = 256) -> str:
     return storable(value if isinstance(value, str) else str(value), limit)
 
 
-def values(rid: str, record: dict[str, Any], models: Models | None = None) -> tuple[Any, ...]:
+def values(rid: str, record: dict[str, Any], models: ModelLabels | None = None) -> tuple[Any, ...]:
     """The typed columns of one record, in `COLUMNS` order, every text storable (an imported record's
     too: text.py), the model folded past the writer's cap for the aggregates (and kept in `model_name`).
     Its figures were checked (`check`, `Columns.row`). (The hot part of an import: written for speed.)"""

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import orjson
 
-from ..chunk import lenient
+from ..chunk import json_object
 from ..text import storable
 from . import Backend, Filters, Rejected, Row, Skewed, Unavailable
 from .boots import Tally, host
@@ -116,12 +116,9 @@ class Writer:
         (NaN, an infinity, a huge integer: chunk.lenient), its figures then checked (the store's columns
         hold what is left: columns.check). Rejected: not a record; Skewed: its end outside the store's
         window (`now_ns`, `max_age_s`: columns.skew; `now_ns` 0: not checked)."""
+        record = json_object(line)
         try:
-            record = orjson.loads(line)
-        except orjson.JSONDecodeError:
-            record = lenient(line)
-        try:
-            if not isinstance(record, dict):
+            if record is None:
                 raise TypeError("not a JSON object")
             ended = ended_ns(record)
             rid = record.get("id") or ""

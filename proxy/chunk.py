@@ -68,6 +68,11 @@ def string(value: Any) -> str:
     return value if isinstance(value, str) else ""
 
 
+def listed(value: Any) -> list[Any]:
+    """A JSON array's items; none for anything else a broken or hostile peer sent in its place (`true`, an object)."""
+    return value if isinstance(value, list) else []
+
+
 class Usage(NamedTuple):
     """Counts from an OpenAI usage object; None where absent."""
 

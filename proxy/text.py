@@ -28,3 +28,8 @@ def dumps(value: Any) -> bytes:
         return orjson.dumps(value)
     except TypeError:  # (orjson.JSONEncodeError)
         return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass")
+
+
+def json_text(value: Any) -> str:
+    """A value's JSON as text, to count as a prompt's part (`dumps`: whatever a lenient parse made of it)."""
+    return dumps(value).decode("utf-8", "replace")

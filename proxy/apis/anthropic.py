@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
 
-from ..chunk import BodyInfo, Chunk, count, string
+from ..chunk import BodyInfo, Chunk, count, listed, string
+from ..text import json_text
 from ..tokens import REPLY_PRIMING, TOKENS_PER_MESSAGE, Parts, PromptParts
 from . import Dialect, Route
 
@@ -47,13 +47,13 @@ class Anthropic(Dialect):
         parts = Parts(string(parsed.get("model")))
         parts.fixed = REPLY_PRIMING
         _blocks(parts, parsed.get("system"))
-        for message in parsed.get("messages") or []:
+        for message in listed(parsed.get("messages")):
             if isinstance(message, dict):
                 parts.fixed += TOKENS_PER_MESSAGE
                 parts.value(message.get("role"))  # (counted as OpenAI's guide counts it: the same prompt, the same count)
                 _blocks(parts, message.get("content"))
         if isinstance(parsed.get("tools"), list) and parsed["tools"]:
-            parts.texts.append(orjson.dumps(parsed["tools"]).decode())
+            parts.texts.append(json_text(parsed["tools"]))
         return parts.done()
 
     def read(self, obj: dict[str, Any], chunk: Chunk) -> None:
@@ -88,7 +88,7 @@ class Anthropic(Dialect):
 
     def body(self, obj: dict[str, Any]) -> BodyInfo:
         texts = []
-        for block in obj.get("content") or []:
+        for block in listed(obj.get("content")):
             if isinstance(block, dict):
                 kind = block.get("type")
                 if kind == "text":
@@ -96,7 +96,7 @@ class Anthropic(Dialect):
                 elif kind == "thinking":
                     texts.append(string(block.get("thinking")))
                 elif kind in ("tool_use", "server_tool_use") and block.get("input") is not None:
-                    texts.append(orjson.dumps(block.get("input")).decode())
+                    texts.append(json_text(block.get("input")))
         usage = obj.get("usage")
         return BodyInfo(chat_usage(usage) if isinstance(usage, dict) else None, string(obj.get("model")), "".join(texts))
 
@@ -133,7 +133,7 @@ def _blocks(parts: Parts, content: Any) -> None:
             parts.value(block.get("text"))
         elif kind == "tool_use":
             parts.value(block.get("name"))
-            parts.texts.append(orjson.dumps(block.get("input")).decode())
+            parts.texts.append(json_text(block.get("input")))
         elif kind == "tool_result":
             _blocks(parts, block.get("content"))
         elif kind == "thinking":

@@ -22,9 +22,9 @@ import re
 from typing import Any
 from urllib.parse import parse_qsl, urlencode
 
-import orjson
 
-from ..chunk import BodyInfo, Chunk, count, string
+from ..chunk import BodyInfo, Chunk, count, listed, string
+from ..text import json_text
 from ..tokens import REPLY_PRIMING, TOKENS_PER_MESSAGE, Parts, PromptParts
 from . import Dialect, Route
 
@@ -71,13 +71,13 @@ class Gemini(Dialect):
                 continue
             parts.fixed += TOKENS_PER_MESSAGE
             parts.value(content.get("role"))  # (as OpenAI's guide counts it: the same prompt, the same count)
-            for part in content.get("parts") or []:
+            for part in listed(content.get("parts")):
                 if not isinstance(part, dict):
                     continue
                 if isinstance(part.get("text"), str):
                     parts.texts.append(part["text"])
                 elif "functionCall" in part or "functionResponse" in part:
-                    parts.texts.append(orjson.dumps(part.get("functionCall") or part.get("functionResponse")).decode())
+                    parts.texts.append(json_text(part.get("functionCall") or part.get("functionResponse")))
                 else:
                     parts.uncounted += 1
         return parts.done()
@@ -86,7 +86,7 @@ class Gemini(Dialect):
         if isinstance(obj.get("error"), dict):
             chunk.failed = string(obj["error"].get("status")) or str(obj["error"].get("code") or "error")
             return
-        for position, candidate in enumerate(obj.get("candidates") or []):
+        for position, candidate in enumerate(listed(obj.get("candidates"))):
             if isinstance(candidate, dict):
                 text, thought = _parts_text(candidate)
                 if text:
@@ -99,7 +99,7 @@ class Gemini(Dialect):
         chunk.model = string(obj.get("modelVersion"))
 
     def body(self, obj: dict[str, Any]) -> BodyInfo:
-        texts = [_parts_text(c)[0] for c in obj.get("candidates") or [] if isinstance(c, dict)]
+        texts = [_parts_text(c)[0] for c in listed(obj.get("candidates")) if isinstance(c, dict)]
         usage = obj.get("usageMetadata")
         return BodyInfo(chat_usage(usage) if isinstance(usage, dict) else None, string(obj.get("modelVersion")), "".join(texts))
 
@@ -108,14 +108,14 @@ def _parts_text(candidate: dict[str, Any]) -> tuple[str, bool]:
     """(generated text of a candidate's parts, whether any of it is a thought)."""
     content = candidate.get("content")
     out, thought = [], False
-    for part in (content.get("parts") or []) if isinstance(content, dict) else []:
+    for part in listed(content.get("parts")) if isinstance(content, dict) else []:
         if not isinstance(part, dict):
             continue
         if isinstance(part.get("text"), str) and part["text"]:
             out.append(part["text"])
             thought = thought or part.get("thought") is True
         elif isinstance(part.get("functionCall"), dict):
-            out.append(orjson.dumps(part["functionCall"].get("args") or {}).decode())
+            out.append(json_text(part["functionCall"].get("args") or {}))
     return "".join(out), thought
 
 

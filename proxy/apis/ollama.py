@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
 
-from ..chunk import BodyInfo, Chunk, count, string
+from ..chunk import BodyInfo, Chunk, count, listed, string
+from ..text import json_text
 from ..engine import from_ollama
 from ..tokens import REPLY_PRIMING, TOKENS_PER_MESSAGE, Parts, PromptParts
 from . import Dialect, Route
@@ -45,18 +45,18 @@ class Ollama(Dialect):
         parts = Parts(string(parsed.get("model")))
         if endpoint == "ollama_chat":
             parts.fixed = REPLY_PRIMING
-            for message in parsed.get("messages") or []:
+            for message in listed(parsed.get("messages")):
                 if isinstance(message, dict):
                     parts.fixed += TOKENS_PER_MESSAGE
                     parts.value(message.get("role"))
                     parts.value(message.get("content"))
-                    parts.uncounted += len(message.get("images") or [])
+                    parts.uncounted += len(listed(message.get("images")))
             if isinstance(parsed.get("tools"), list) and parsed["tools"]:
-                parts.texts.append(orjson.dumps(parsed["tools"]).decode())
+                parts.texts.append(json_text(parsed["tools"]))
         else:
             parts.value(parsed.get("system"))
             parts.input(parsed.get("prompt") if endpoint == "ollama_generate" else parsed.get("input"))
-            parts.uncounted += len(parsed.get("images") or [])
+            parts.uncounted += len(listed(parsed.get("images")))
         return parts.done()
 
     def read(self, obj: dict[str, Any], chunk: Chunk) -> None:
@@ -84,7 +84,7 @@ def read(obj: dict[str, Any], chunk: Chunk) -> None:
         for call in calls:
             fn = call.get("function") if isinstance(call, dict) else None
             if isinstance(fn, dict):
-                text += orjson.dumps(fn.get("arguments") or {}).decode()
+                text += json_text(fn.get("arguments") or {})
     if thinking or text:
         chunk.texts.append((0, thinking + text))
         chunk.reasoning = bool(thinking)

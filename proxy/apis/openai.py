@@ -24,7 +24,8 @@ from typing import Any
 
 import orjson
 
-from ..chunk import DONE, BodyInfo, Chunk, count, json_object, string, strip_usage_null
+from ..chunk import DONE, BodyInfo, Chunk, count, json_object, listed, string, strip_usage_null
+from ..text import json_text
 from ..tokens import REPLY_PRIMING, TOKENS_PER_MESSAGE, TOKENS_PER_NAME, Parts, PromptParts
 from . import Dialect, Route
 
@@ -194,12 +195,12 @@ def chat_usage(usage: dict[str, Any]) -> dict[str, Any]:
 def _response_text(obj: dict[str, Any]) -> str:
     """The generated text of a Responses API body: output text, refusals, reasoning, call arguments."""
     parts: list[str] = []
-    for item in obj.get("output") or []:
+    for item in listed(obj.get("output")):
         if not isinstance(item, dict):
             continue
         parts.append(string(item.get("arguments")))
         for key in ("content", "summary"):
-            for part in item.get(key) or []:
+            for part in listed(item.get(key)):
                 if isinstance(part, dict):
                     parts.append(string(part.get("text")) or string(part.get("refusal")))
     return "".join(parts)
@@ -213,7 +214,7 @@ def read_body(obj: dict[str, Any]) -> BodyInfo:
         usage = obj.get("usage")
         return BodyInfo(chat_usage(usage) if isinstance(usage, dict) else None, model, _response_text(obj), None, metrics)
     texts = []
-    for choice in obj.get("choices") or []:
+    for choice in listed(obj.get("choices")):
         if isinstance(choice, dict):
             message = choice.get("message")
             texts.append(_delta_text(message)[0] if isinstance(message, dict) else string(choice.get("text")))
@@ -234,7 +235,7 @@ def prompt_parts(endpoint: str, body: dict[str, Any]) -> PromptParts:
         parts.input(body.get("prompt") if endpoint == "completions" else body.get("input"))
         return parts.done()
     parts.fixed = REPLY_PRIMING
-    for message in body.get("messages") or []:
+    for message in listed(body.get("messages")):
         if not isinstance(message, dict):
             continue
         parts.fixed += TOKENS_PER_MESSAGE
@@ -244,7 +245,7 @@ def prompt_parts(endpoint: str, body: dict[str, Any]) -> PromptParts:
                 parts.fixed += TOKENS_PER_NAME
     for key in ("tools", "functions"):
         if isinstance(body.get(key), list) and body[key]:
-            parts.texts.append(orjson.dumps(body[key]).decode())
+            parts.texts.append(json_text(body[key]))
     return parts.done()
 
 
@@ -264,7 +265,7 @@ def _responses_parts(parts: Parts, body: dict[str, Any]) -> PromptParts:
         for key in ("role", "content", "output", "arguments", "name"):
             parts.value(item.get(key))
     if isinstance(body.get("tools"), list) and body["tools"]:
-        parts.texts.append(orjson.dumps(body["tools"]).decode())
+        parts.texts.append(json_text(body["tools"]))
     return parts.done()
 
 

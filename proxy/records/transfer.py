@@ -236,8 +236,8 @@ def run_import(source: BinaryIO, open_store: Callable[[], Backend], warn: Callab
         result.rejected += rejected
         result.skewed += skewed
         result.dropped += dropped
-        for field, count in nulled.items():
-            result.nulled[field] = result.nulled.get(field, 0) + count
+        for name, count in nulled.items():
+            result.nulled[name] = result.nulled.get(name, 0) + count
         errors += said
     for error in sorted(errors, key=lambda e: int(e.split(":", 1)[0].split()[1]))[:ERRORS]:
         warn(error)

@@ -86,30 +86,30 @@ $(ENVOY_VENV)/.installed:
 BEFORE ?=
 bench: $(BUILT) $(LITELLM_VENV)/.installed $(ENVOY_VENV)/.installed
 	$(PY) -m pip install --quiet matplotlib aiohttp py-spy granian asyncpg
-	ENVOY=$(ENVOY_VENV)/bin/envoy LITELLM_PYTHON=$(LITELLM_VENV)/bin/python $(PY) bench/compare.py --out bench/results.json --plot bench/compare.png $(if $(BEFORE),--before $(BEFORE))
-	$(PY) bench/stamps.py
-	ENVOY=$(ENVOY_VENV)/bin/envoy $(PY) bench/hop.py
-	ENVOY=$(ENVOY_VENV)/bin/envoy $(PY) bench/chunk_cpu.py $(if $(BEFORE),--before $(BEFORE))
-	$(PY) bench/slow_clients.py
-	$(PY) bench/gc_pauses.py $(if $(BEFORE),--before $(BEFORE))
-	ENVOY=$(ENVOY_VENV)/bin/envoy $(PY) bench/agent.py $(if $(BEFORE),--before $(BEFORE))
-	$(PY) bench/asgi_servers.py
-	$(PY) bench/clients.py
-	$(PY) bench/scrape.py
-	$(PY) bench/framing.py $(if $(BEFORE),--before $(BEFORE))
-	$(PY) bench/finish.py
-	$(PY) bench/tracing_cost.py
-	$(PY) bench/overhead.py --pairs 300
-	$(PY) bench/overload.py --cap 128 --burst 512 --rounds 4 --out bench/overload.json
-	$(PY) bench/records_cost.py $(if $(BEFORE),--before $(BEFORE))
-	$(PY) bench/records_store.py
-	$(PY) bench/store_volume.py
-	$(PY) bench/streams_scale.py
-	$(PY) bench/workers.py
-	$(if $(BEFORE),$(PY) bench/accept.py --before $(BEFORE))
+	ENVOY=$(ENVOY_VENV)/bin/envoy LITELLM_PYTHON=$(LITELLM_VENV)/bin/python $(PY) -m bench.relay compare --out bench/results.json --plot bench/compare.png $(if $(BEFORE),--before $(BEFORE))
+	$(PY) -m bench.truth stamps
+	ENVOY=$(ENVOY_VENV)/bin/envoy $(PY) -m bench.relay hop
+	ENVOY=$(ENVOY_VENV)/bin/envoy $(PY) -m bench.relay chunk-cpu $(if $(BEFORE),--before $(BEFORE))
+	$(PY) -m bench.truth slow-clients
+	$(PY) -m bench.truth gc-pauses $(if $(BEFORE),--before $(BEFORE))
+	ENVOY=$(ENVOY_VENV)/bin/envoy $(PY) -m bench.relay agent $(if $(BEFORE),--before $(BEFORE))
+	$(PY) -m bench.relay asgi-servers
+	$(PY) -m bench.relay clients
+	$(PY) -m bench.scale scrape
+	$(PY) -m bench.truth framing $(if $(BEFORE),--before $(BEFORE))
+	$(PY) -m bench.relay finish
+	$(PY) -m bench.relay tracing-cost
+	$(PY) -m bench.relay overhead --pairs 300
+	$(PY) -m bench.fleet overload --cap 128 --burst 512 --rounds 4 --out bench/overload.json
+	$(PY) -m bench.store records-cost $(if $(BEFORE),--before $(BEFORE))
+	$(PY) -m bench.store records-store
+	$(PY) -m bench.store store-volume
+	$(PY) -m bench.scale streams-scale
+	$(PY) -m bench.scale workers
+	$(if $(BEFORE),$(PY) -m bench.relay accept --before $(BEFORE))
 
 soak: $(BUILT)
-	$(PY) bench/soak.py --duration 1800 --concurrency 200 --json bench/soak-30min.json
+	$(PY) -m bench.scale soak --duration 1800 --concurrency 200 --json bench/soak-30min.json
 
 lock: $(STAMP)
 	$(PY) -m pip install --quiet --dry-run --ignore-installed --report /tmp/llmproxy-lock.json .

@@ -3,7 +3,7 @@
     .venv/bin/python dashboards/generate.py          # rewrite the committed JSON
     .venv/bin/python dashboards/generate.py --check  # exit 1 if the committed JSON differs
 
-Every query uses only metric names from proxy/metrics.py (a test checks it), and every panel
+Every query uses only metric names from proxy/measure/metrics.py (a test checks it), and every panel
 query runs against a real Prometheus in the test suite.
 """
 from __future__ import annotations
@@ -421,7 +421,7 @@ def with_first_looks(text: str) -> str:
 # and every `for` stays shorter than the window it watches; a test checks nothing else differs.
 SCALED_WINDOWS = {"5m": "8s", "1h": "12s", "1d": "28s"}
 SCALED_FOR = {"2m": "2s", "5m": "3s", "10m": "4s", "15m": "4s"}
-# The burn-rate rules' windows (proxy/rules.py), scaled for their own chain test: each short window
+# The burn-rate rules' windows (proxy/answers/rules.py), scaled for their own chain test: each short window
 # stays shorter than its long one, and the shortest still holds three 1 s scrapes.
 SLO_SCALED_WINDOWS = {"5m": "3s", "30m": "4s", "1h": "6s", "2h": "8s", "6h": "10s", "1d": "12s", "3d": "16s"}
 
@@ -445,7 +445,8 @@ def slo_configmap() -> str:
 
 def outputs() -> dict[Path, str]:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from proxy import rules, slo
+    from proxy.answers import rules
+    from proxy.measure import slo
 
     objectives = slo.load(str(SLO_EXAMPLE))
     text = render()

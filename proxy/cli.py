@@ -15,21 +15,21 @@ from .config import add_arguments, build_settings
 
 if TYPE_CHECKING:
     from .records import Backend
-    from .slo import Objective
+    from .measure.slo import Objective
 
 
 def serve(args: argparse.Namespace) -> int:
     settings = build_settings(args)
     if settings.slo:  # refused at start, with its line, before any worker starts
-        from .slo import load as load_objectives
+        from .measure.slo import load as load_objectives
 
         load_objectives(settings.slo)
     if settings.tenants:
-        from .tenants import load as load_tenants
+        from .serve.tenants import load as load_tenants
 
         load_tenants(settings.tenants)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from .server import run
+    from .serve.server import run
 
     run(settings)
     return 0
@@ -90,13 +90,13 @@ def explain(args: argparse.Namespace) -> int:
     import glob
     import time
 
-    from . import budget
-    from .explain import explain as analyse
-    from .explain import gather, render, to_json
+    from .answers import budget
+    from .answers.explain import explain as analyse
+    from .answers.explain import gather, render, to_json
     from .records.sql import Window
-    from .records.sqlite import default_path
+    from .config import default_records_path
 
-    paths = args.db or sorted(glob.glob(default_path(0).replace("records-0.sqlite", "records-*.sqlite")))
+    paths = args.db or sorted(glob.glob(default_records_path(0).replace("records-0.sqlite", "records-*.sqlite")))
     if not paths:
         raise ValueError("no records database: pass --db PATH (the proxy's --records-db: a file, or postgresql://…)")
     since = _since_s(args.since)
@@ -115,11 +115,11 @@ def explain(args: argparse.Namespace) -> int:
     objectives: tuple[Objective, ...] = ()
     slo_path = args.slo or os.environ.get("LLMPROXY_SLO", "")
     if slo_path:
-        from .slo import load as load_objectives
+        from .measure.slo import load as load_objectives
 
         objectives = load_objectives(slo_path)
     if args.by == "tenant":  # whose requests are slow (ledger.py): from the rollup alone
-        from . import ledger
+        from .answers import ledger
 
         tenants = ledger.report(ledger.gather(stores, window), objectives)
         print(to_json(tenants) if args.json else ledger.render(tenants))
@@ -135,7 +135,7 @@ def explain(args: argparse.Namespace) -> int:
             print("\n".join(budget.render(name, summary)))
         print(render(report))
     if args.plot:
-        from .explain import plot
+        from .answers.explain import plot
 
         plot(groups, report, args.plot)
     return 0
@@ -170,15 +170,15 @@ def records_import(args: argparse.Namespace) -> int:
 
 
 def rules(args: argparse.Namespace) -> int:
-    from .rules import render as render_rules
-    from .slo import load as load_objectives
+    from .answers.rules import render as render_rules
+    from .measure.slo import load as load_objectives
 
     print(render_rules(load_objectives(args.slo), args.slo, kubernetes=args.kubernetes), end="")
     return 0
 
 
 def tenants(args: argparse.Namespace) -> int:
-    from .tenants import main as tenants_main
+    from .serve.tenants import main as tenants_main
 
     return tenants_main([args.tenants_command])
 
@@ -186,7 +186,7 @@ def tenants(args: argparse.Namespace) -> int:
 def load(args: argparse.Namespace) -> int:
     import asyncio
 
-    from .load import SHAPES, run_load
+    from .simulator.load import SHAPES, run_load
 
     keys = [k.strip() for k in args.keys.split(",") if k.strip()] if args.keys else []
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()] if args.shapes else []

@@ -7,15 +7,51 @@ single definition the CLI, the reference (docs/configuration.md) and the tests r
 from __future__ import annotations
 
 import argparse
+import base64
 import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
-from urllib.parse import urlsplit
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 ENV_PREFIX = "LLMPROXY_"
 TOKEN_SPAN_MODES = ("offsets", "events", "spans", "off")
+DIRECT = ("none", "direct")  # --upstream-proxy values that mean: no proxy, whatever the environment says
+
+
+@dataclass(frozen=True)
+class EgressProxy:
+    host: str
+    port: int
+    authorization: bytes | None  # the Proxy-Authorization header's value, when the URL has credentials
+
+    @property
+    def where(self) -> str:
+        """For log lines and errors: host and port, never the credentials."""
+        return f"{self.host}:{self.port}"
+
+
+def parse_egress(url: str) -> EgressProxy:
+    """--upstream-proxy (or a route's `proxy:`) read: an http:// proxy URL (a bare host:port is http too); ValueError for
+    anything else. Parsed here, with the other settings, so that a bad one is refused at start (upstream/egress.py uses it)."""
+    parts = urlsplit(url if "://" in url else f"http://{url}")
+    if parts.scheme != "http" or not parts.hostname:
+        safe = f"{parts.scheme}://{parts.hostname or ''}:{parts.port or ''}"
+        raise ValueError(f"the upstream proxy must be an http:// URL (a CONNECT proxy), not {safe}")
+    authorization = None
+    if parts.username is not None:
+        credentials = f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode()
+        authorization = b"Basic " + base64.b64encode(credentials)
+    return EgressProxy(parts.hostname, parts.port or 80, authorization)
+
+
+def default_records_path(port: int) -> str:
+    """--records-db auto: in the user's data directory (XDG), one file per listening port: the workers of one proxy
+    share it; two proxies on one machine do not mix their records."""
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return str(Path(base) / "llm-latency-proxy" / f"records-{port}.sqlite")
 
 
 @dataclass(frozen=True)
@@ -42,9 +78,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("upstream_api_key_env", str, "", "name of an env var whose value replaces the client's Authorization"),
     Option("upstream_name", str, "", "value of the `upstream` metric label (default: host:port of --upstream)"),
     Option("provider_name", str, "", "gen_ai.provider.name on spans (default: openai for *.openai.com, else openai_compatible)"),
-    Option("routes", str, "", "YAML routing file: model names (exact or glob) to upstreams, each with its own URL, key, timeouts and pool (see proxy/routes.py); reloaded on SIGHUP; empty: every model goes to --upstream"),
-    Option("slo", str, "", "YAML file of service-level objectives: per model (exact or glob), TTFT, TPOT and end-to-end thresholds and a target (see proxy/slo.py); every generation request gets a verdict and a blamed phase; reloaded on SIGHUP; empty: none"),
-    Option("tenants", str, "", "YAML file attributing each request to a tenant (by its API key's fingerprint or a header) and an end user (a header, or the API's own `user` fields) (see proxy/tenants.py); reloaded on SIGHUP; empty: every request's tenant is `unknown`"),
+    Option("routes", str, "", "YAML routing file: model names (exact or glob) to upstreams, each with its own URL, key, timeouts and pool (see proxy/fleet/routes.py); reloaded on SIGHUP; empty: every model goes to --upstream"),
+    Option("slo", str, "", "YAML file of service-level objectives: per model (exact or glob), TTFT, TPOT and end-to-end thresholds and a target (see proxy/measure/slo.py); every generation request gets a verdict and a blamed phase; reloaded on SIGHUP; empty: none"),
+    Option("tenants", str, "", "YAML file attributing each request to a tenant (by its API key's fingerprint or a header) and an end user (a header, or the API's own `user` fields) (see proxy/serve/tenants.py); reloaded on SIGHUP; empty: every request's tenant is `unknown`"),
     Option("tenant_expiry", float, 3600.0, "seconds after a tenant's last request before its metric series are removed (0: never); with --workers > 1 they stay until the proxy restarts"),
     Option("connect_timeout", float, 10.0, "seconds to open a connection to the upstream (DNS+TCP+TLS)"),
     Option("first_token_timeout", float, 600.0, "seconds from sending a request to its first content chunk, enforced after the headers too: comments (`: keep-alive`) and role-only chunks are not tokens (for non-streaming requests, the whole response)"),
@@ -175,9 +211,7 @@ class Settings:
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"--upstream must be an http(s) URL, not {self.upstream!r}")
         if self.upstream_proxy and self.upstream_proxy.lower() not in ("none", "direct"):
-            from .egress import parse
-
-            parse(self.upstream_proxy)  # refused at start (the message holds no credentials)
+            parse_egress(self.upstream_proxy)  # refused at start (the message holds no credentials)
 
     # Derived values: computed, never configured twice.
     @property
@@ -206,9 +240,7 @@ class Settings:
         """The records store (an SQLite file or a PostgreSQL URL), or "" when records are off."""
         if self.records_db != "auto":
             return self.records_db
-        from .records.sqlite import default_path
-
-        return default_path(self.port)
+        return default_records_path(self.port)
 
     @property
     def instance_name(self) -> str:

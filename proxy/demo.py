@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from .processes import free_port, serve_command, started, wait_healthy  # noqa: F401  (the tests' and benchmarks' too)
+from .processes import free_port, started
 
 CASES = (100, 1_000, 5_000, 10_000)
 REASONING_PROMPT = 1_000
@@ -122,7 +122,7 @@ TENANTS = (("search", "demo-key-search-app", 8_000, 20), ("batch", "demo-key-bat
 
 def tenants_file() -> str:
     """The demo's --tenants file: the two applications by their keys' fingerprints (never the keys)."""
-    from .tenants import fingerprint
+    from .serve.tenants import fingerprint
 
     return "tenants:\n" + "".join(f"  - name: {name}\n    keys: [\"{fingerprint(key)}\"]\n" for name, key, _, _ in TENANTS)
 
@@ -177,8 +177,8 @@ def print_slo(store: Any, objectives: Any) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from . import budget
-    from .explain import explain, gather
+    from .answers import budget
+    from .answers.explain import explain, gather
 
     groups = gather([store])
     report = explain(groups, objectives=objectives)
@@ -314,7 +314,7 @@ def run_demo(repeats: int = 3, output_tokens: int = 100) -> int:
         records = httpx.get(f"{proxy_url}/llmproxy/requests", params={"limit": total}).json()
         run_batching(proxy_url, sim_url, repeats)
         run_tenants(proxy_url, repeats)
-    from . import sessions
+    from .simulator import sessions
 
     show_agents, agents = sessions.demo(workdir)
     cases, reasoning = len(CASES) * repeats, len(REASONING) * repeats
@@ -322,9 +322,9 @@ def run_demo(repeats: int = 3, output_tokens: int = 100) -> int:
     print_reasoning(reasoning_rows(records[cases : cases + reasoning], repeats), output_tokens)
     print_apis(records[cases + reasoning :], output_tokens)
     show_agents()
-    from .explain import explain, gather, render
+    from .answers.explain import explain, gather, render
     from .records import open_backend
-    from .slo import load as load_objectives
+    from .measure.slo import load as load_objectives
 
     objectives = load_objectives(slo_path)
     store = open_backend(records_db)
@@ -333,7 +333,7 @@ def run_demo(repeats: int = 3, output_tokens: int = 100) -> int:
     print(render(explain(gather([store]), objectives=objectives)))
     print(f"llm-latency-proxy explain --db {agents[-1]}   (the agent sessions with pick: predicted_ttft: what the prefix cache saved)\n")
     print(render(explain(gather([open_backend(agents[-1])]))))
-    from . import ledger
+    from .answers import ledger
 
     print(f"llm-latency-proxy explain --db {records_db} --slo {slo_path} --by tenant   (whose requests are slow: `search` and `batch` "
           "each with its own key, the rest `unknown`)\n")

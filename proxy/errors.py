@@ -13,9 +13,13 @@ import errno
 import socket
 import ssl
 
+from typing import Literal
+
 import orjson
 
-from .timing import Outcome
+# What a request came to: ok, or the class of its failure (each error below names its own).
+Outcome = Literal["ok", "upstream_error", "client_disconnect", "client_slow", "timeout", "proxy_error", "overloaded"]
+OUTCOMES: tuple[Outcome, ...] = ("ok", "upstream_error", "client_disconnect", "client_slow", "timeout", "proxy_error", "overloaded")
 
 
 class ProxyError(Exception):

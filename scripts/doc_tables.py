@@ -11,8 +11,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from proxy.config import OPTIONS  # noqa: E402
-from proxy.meters import INSTRUMENTS  # noqa: E402
-from proxy.metrics import METRICS  # noqa: E402
+from proxy.measure.meters import INSTRUMENTS  # noqa: E402
+from proxy.measure.metrics import METRICS  # noqa: E402
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 PAGES = (DOCS / "configuration.md", DOCS / "metrics.md")  # (each page holds the tables it has markers for)

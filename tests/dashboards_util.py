@@ -8,7 +8,7 @@ from typing import Any, Iterator
 
 import yaml
 
-from proxy.metrics import METRICS
+from proxy.measure.metrics import METRICS
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "dashboards" / "grafana" / "llm-latency-breakdown.json"

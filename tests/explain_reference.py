@@ -9,8 +9,8 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from proxy.explain import diagnosis, roofline
-from proxy.slo import Objective
+from proxy.answers.explain import diagnosis, roofline
+from proxy.measure.slo import Objective
 
 PHASES = ("client", "wait", "network", "tokenize", "queue", "load", "prefill", "reasoning", "decode", "server", "proxy")  # (wait: the proxy's own pool wait, a phase since records had it)
 MAX_PAIRS_POINTS = 300  # points sampled for the pairwise slopes (45,000 pairs)

@@ -1,5 +1,5 @@
 """A fleet's records, made by the proxy's own code: realistic traffic for the store's tests and for
-bench/store_volume.py, written as JSON lines (what `records export` writes, `records import` reads).
+bench/store/store_volume.py, written as JSON lines (what `records export` writes, `records import` reads).
 
 Each record is a `RequestTiming` filled as the relay would fill it for an engine with a known law
 (per model: a prefill rate and fixed cost, decode speed at batch 1 slowing with the streams in flight,
@@ -18,10 +18,10 @@ from typing import Any, Iterator
 
 import orjson
 
-from proxy.engine import EngineTimings
-from proxy.slo import SLOs, Objective
-from proxy.telemetry import RequestContext, record_dict
-from proxy.timing import RequestTiming, split
+from proxy.wire.engine import EngineTimings
+from proxy.measure.slo import SLOs, Objective
+from proxy.measure.telemetry import RequestContext, record_dict
+from proxy.measure.timing import RequestTiming, split
 
 MS = 1_000_000
 APIS = (("openai", "chat"), ("openai", "chat"), ("openai", "responses"), ("anthropic", "messages"))

@@ -25,10 +25,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
 
-from proxy.server import GuardedHttpTools
-from proxy.app import ProxyApp
+from proxy.serve.server import GuardedHttpTools
+from proxy.serve.app import ProxyApp
 from proxy.config import Settings
-from proxy.demo import free_port, wait_healthy
+from proxy.processes import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -119,7 +119,7 @@ def descriptors_exhausted(spare: int = 0) -> Iterator[None]:
 
 # How late a stamp may be when another process holds the CPU: on 2 cores with the client, the proxy,
 # the simulator and a test runner all busy, a scheduler slice (a few ms, seen up to 4 under an extra
-# CPU hog). The typical stamp is ~0.1 ms late (bench/stamps.py); medians are held to that.
+# CPU hog). The typical stamp is ~0.1 ms late (bench/truth/stamps.py); medians are held to that.
 SCHEDULER_SLACK_S = 0.010
 
 
@@ -207,7 +207,7 @@ class ProxyServer:
         provider.add_span_processor(self.spans)
         self.registry = CollectorRegistry()
         self.app = ProxyApp(self.settings, registry=self.registry, tracer_provider=provider)
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, loop="proxy.acceptor:new_event_loop", http=http,
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, loop="proxy.serve.acceptor:new_event_loop", http=http,
                                 timeout_graceful_shutdown=self.settings.shutdown_grace,
                                 log_level="warning", access_log=False, server_header=False, date_header=False, proxy_headers=False)
         self.server = uvicorn.Server(config)

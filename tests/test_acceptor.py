@@ -7,7 +7,7 @@ import asyncio
 import socket
 
 from servers import descriptors_exhausted
-from proxy.acceptor import Acceptor, ProxyLoop, new_event_loop
+from proxy.serve.acceptor import Acceptor, ProxyLoop, new_event_loop
 
 
 class Hello(asyncio.Protocol):
@@ -74,7 +74,7 @@ def test_the_server_protocol_gives_the_scope_the_addresses_uvicorns_would():
     own, over IPv4 and IPv6."""
     import uvicorn
 
-    from proxy.server import GuardedHttpTools, QuietServer
+    from proxy.serve.server import GuardedHttpTools, QuietServer
 
     seen: list[tuple[object, object]] = []
 
@@ -116,7 +116,7 @@ def test_the_server_protocols_connection_made_sets_what_uvicorns_sets():
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     from uvicorn.server import ServerState
 
-    from proxy.server import GuardedHttpTools
+    from proxy.serve.server import GuardedHttpTools
 
     async def app(scope, receive, send) -> None:  # type: ignore[no-untyped-def]
         return None

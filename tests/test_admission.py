@@ -16,11 +16,12 @@ from typing import Any
 import openai
 import pytest
 
-from proxy.admission import Admission, worker_cap
+from proxy.serve.admission import Admission
+from proxy.upstream.limits import worker_cap
 from proxy.config import Settings
 from proxy.errors import ProxyOverloaded
-from proxy.tenants import fingerprint, parse
-from proxy.timing import NS, RequestTiming, split
+from proxy.serve.tenants import fingerprint, parse
+from proxy.measure.timing import NS, RequestTiming, split
 from servers import scraped
 
 

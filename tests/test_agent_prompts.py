@@ -13,10 +13,10 @@ import pytest
 
 from proxy.apis.anthropic import Anthropic
 from proxy.apis.openai import prompt_parts as chat_parts
-from proxy.tokens import Tokenizer
+from proxy.wire.tokens import Tokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from agent import system_prompt, tool_schemas  # noqa: E402  (the benchmark's conversation, smaller)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.relay.agent import system_prompt, tool_schemas  # noqa: E402  (the benchmark's conversation, smaller)
 
 pytestmark = [pytest.mark.e2e]
 TURNS = 6
@@ -71,10 +71,10 @@ def test_the_proxys_count_from_its_cache_equals_a_fresh_count():
     import asyncio
 
     from proxy.config import Settings
-    from proxy.metrics import ProxyMetrics
-    from proxy.offload import Offload
-    from proxy.telemetry import Telemetry
-    from proxy.tracing import Tracing
+    from proxy.measure.metrics import ProxyMetrics
+    from proxy.measure.offload import Offload
+    from proxy.measure.telemetry import Telemetry
+    from proxy.measure.tracing import Tracing
     from prometheus_client import CollectorRegistry
 
     tok = Tokenizer()

@@ -17,8 +17,8 @@ import pytest
 
 import explain_reference as reference
 import fleet
-from proxy import budget
-from proxy.explain import explain, gather, of_records
+from proxy.answers import budget
+from proxy.answers.explain import explain, gather, of_records
 from proxy.records import Backend
 from proxy.records.aggregate import read
 from proxy.records import sql

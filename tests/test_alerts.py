@@ -32,7 +32,7 @@ import pytest
 import yaml
 
 from dashboards_util import RULES
-from proxy.demo import free_port, wait_healthy
+from proxy.processes import free_port, wait_healthy
 from servers import Process, Prometheus, Simulator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "dashboards"))

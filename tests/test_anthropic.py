@@ -10,7 +10,7 @@ import pytest
 from opentelemetry.trace import SpanKind
 
 from proxy.apis.anthropic import Anthropic
-from proxy.sse import SSEDecoder
+from proxy.wire.sse import SSEDecoder
 from servers import ProxyServer, raw_upstream
 
 pytestmark = pytest.mark.e2e

@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from proxy.config import Settings
-from proxy.upstream import Upstream
+from proxy.upstream.pool import Pool
 from servers import raw_upstream
 
 pytestmark = pytest.mark.e2e
@@ -95,4 +95,4 @@ def test_the_client_key_guards_every_relayed_path(proxy_factory, sim):
     ("https://r.openai.azure.com/openai/v1", "/openai/v1/responses", "/openai/v1/responses"),
 ])
 def test_path_mapping(base, path, target):
-    assert Upstream(Settings(upstream=base)).target(path, b"a=1") == f"{target}?a=1".encode()
+    assert Pool(Settings(upstream=base)).target(path, b"a=1") == f"{target}?a=1".encode()

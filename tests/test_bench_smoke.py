@@ -1,4 +1,5 @@
-"""A few-second version of `make bench`: sanity bounds only (the real figures live in bench/)."""
+"""A few-second version of `make bench`: sanity bounds only (the real figures live in bench/), and every benchmark
+tool's subcommands resolve (their imports: the harness and each other)."""
 import asyncio
 import statistics
 import sys
@@ -7,10 +8,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-import compare  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.relay import compare  # noqa: E402
 
-from proxy.demo import free_port  # noqa: E402
+from proxy.processes import free_port  # noqa: E402
 from servers import Process  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -38,10 +40,10 @@ def test_bench_smoke(sim):
 
 
 def test_streams_scale_smoke(sim):
-    """bench/streams_scale.py's level at 32 streams of 6 tokens (a token a second after 1 s): none
+    """bench/scale/streams_scale.py's level at 32 streams of 6 tokens (a token a second after 1 s): none
     fails, every record is written with the schedule's TTFT and decode rate, nothing waits in the
     proxy's pool, the scrape counts every request."""
-    import streams_scale
+    from bench.scale import streams_scale
 
     r = streams_scale.level(32, 1, 6, sim.port)
     assert r["failed"] == 0 and r["records"] == r["records_ok"] == 32 and r["scraped_requests"] == 32
@@ -50,34 +52,64 @@ def test_streams_scale_smoke(sim):
 
 
 def test_pick_smoke():
-    """bench/pick.py, a few seconds of it: both modes run over the same arrivals and say where the long prompts went."""
+    """bench/fleet/pick.py, a few seconds of it: both modes run over the same arrivals and say where the long prompts went."""
     import subprocess
 
-    out = subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "bench" / "pick.py"), "--seconds", "4", "--rounds", "1"],
-                         capture_output=True, text=True, timeout=180, check=True).stdout
+    out = subprocess.run([sys.executable, "-m", "bench.fleet", "pick", "--seconds", "4", "--rounds", "1"],
+                         capture_output=True, text=True, timeout=180, check=True, cwd=ROOT).stdout
     rows = [line for line in out.splitlines() if line.startswith("| 1 |")]
     assert [row.split(" | ")[1] for row in rows] == ["fewest_in_flight", "predicted_ttft"], out
     assert all(int(row.split(" | ")[2]) > 5 for row in rows) and "lower" in out
 
 
 def test_prefix_affinity_smoke():
-    """bench/prefix_affinity.py, two short sessions of it: the table, its index checked against the engine."""
+    """bench/fleet/prefix_affinity.py, two short sessions of it: the table, its index checked against the engine."""
     import subprocess
 
-    out = subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "bench" / "prefix_affinity.py"), "--replicas", "2",
+    out = subprocess.run([sys.executable, "-m", "bench.fleet", "prefix-affinity", "--replicas", "2",
                           "--sessions", "2", "--turns", "3", "--seeds", "1", "--proxies", "1", "--picks", "predicted_ttft", "reference"],
-                         capture_output=True, text=True, timeout=180, check=True).stdout
+                         capture_output=True, text=True, timeout=180, check=True, cwd=ROOT).stdout
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| 2 | 1 |")]
     assert [row[2] for row in rows] == ["predicted_ttft", "reference"], out
     assert rows[0][7] == "1.00" and float(rows[0][4]) > 0.3, out  # (predicted / reported; the cache share)
 
 
 def test_sick_fleet_smoke():
-    """bench/sick_fleet.py, one case of it: three equal replicas share non-streaming requests under predicted_ttft."""
+    """bench/fleet/sick_fleet.py, one case of it: three equal replicas share non-streaming requests under predicted_ttft."""
     import subprocess
 
-    out = subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "bench" / "sick_fleet.py"), "--only", "non_streaming"],
-                         capture_output=True, text=True, timeout=180, check=True).stdout
+    out = subprocess.run([sys.executable, "-m", "bench.fleet", "sick-fleet", "--only", "non_streaming"],
+                         capture_output=True, text=True, timeout=180, check=True, cwd=ROOT).stdout
     row = next(line for line in out.splitlines() if line.startswith("| three equal replicas"))
     shares = [int(share.rstrip("%")) for share in row.split("shares ")[1].rstrip(" |").split(" / ")]
     assert len(shares) == 3 and all(15 <= share <= 55 for share in shares), out
+
+
+def test_every_subcommand_of_every_tool_resolves():
+    """Each tool lists its subcommands (one per module of its folder), and every import of a benchmark from the
+    harness or another benchmark names a module and a name that exist (read, not run: a benchmark runs for minutes)."""
+    import ast
+    import subprocess
+
+    tools = sorted(p.parent.name for p in (ROOT / "bench").glob("*/__main__.py"))
+    assert tools == ["fleet", "relay", "scale", "store", "truth"]
+    for tool in tools:
+        listed = subprocess.run([sys.executable, "-m", f"bench.{tool}", "--help"], capture_output=True, text=True, timeout=60, cwd=ROOT, check=True).stdout
+        modules = sorted(p.stem for p in (ROOT / "bench" / tool).glob("*.py") if not p.stem.startswith("__"))
+        assert modules and all(f"  {m.replace('_', '-')} " in listed for m in modules), listed
+    refused = subprocess.run([sys.executable, "-m", "bench.relay", "no-such"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert refused.returncode == 2 and "unknown subcommand" in refused.stderr
+    for path in (ROOT / "bench").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("bench"):
+                target = ROOT / (node.module.replace(".", "/") + ".py")
+                package = ROOT / node.module.replace(".", "/") / "__init__.py"
+                assert target.exists() or package.exists(), (path, node.module)
+                if target.exists():
+                    defined = {n.name for n in ast.walk(ast.parse(target.read_text())) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+                    defined |= {t.id for n in ast.walk(ast.parse(target.read_text())) if isinstance(n, (ast.Assign, ast.AnnAssign))
+                                for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
+                    missing = [a.name for a in node.names if a.name not in defined]
+                    assert not missing, (path, node.module, missing)
+                else:
+                    assert all((ROOT / node.module.replace(".", "/") / f"{a.name}.py").exists() or a.name == "harness" for a in node.names), (path, node.module)

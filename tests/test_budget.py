@@ -12,11 +12,11 @@ from pathlib import Path
 import openai
 import pytest
 
-from proxy import budget
-from proxy.explain import explain, gather, of_records
+from proxy.answers import budget
+from proxy.answers.explain import explain, gather, of_records
 from proxy.records.aggregate import read
 from proxy.records.sql import Window
-from proxy.slo import parse
+from proxy.measure.slo import parse
 
 from servers import ProxyServer, Simulator
 

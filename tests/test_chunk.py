@@ -2,7 +2,7 @@
 import orjson
 
 from proxy.apis.openai import parse_chunk
-from proxy.chunk import read_usage, strip_usage_null
+from proxy.wire.chunk import read_usage, strip_usage_null
 
 
 def chat(delta, **extra):

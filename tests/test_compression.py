@@ -12,7 +12,7 @@ import orjson
 import pytest
 import zstandard
 
-from proxy.compression import DecodeError, Decoder
+from proxy.wire.compression import DecodeError, Decoder
 from servers import raw_upstream
 
 pytestmark = pytest.mark.e2e

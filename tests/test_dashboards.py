@@ -89,7 +89,7 @@ def test_every_alert_says_what_to_look_at_first_and_each_pointer_exists():
     from urllib.parse import parse_qsl
 
     titles = {p["title"] for p in dashboard()["panels"]}
-    page = (ROOT / "proxy" / "waterfall.js").read_text()
+    page = (ROOT / "proxy" / "serve" / "waterfall.js").read_text()
     filters = set(re.search(r"const FILTERS = \[([^\]]*)\]", page).group(1).replace('"', "").replace(" ", "").split(","))
     for alert in (r for r in rules() if "alert" in r):
         text = alert["annotations"]["first_look"]
@@ -159,7 +159,7 @@ def test_the_slo_rules_are_generated_from_the_example_objectives_and_pass_promto
         assert f"'{generate.ROW_SLO}'" in first_look and generate.ROW_SLO in titles and generate.PANEL_SLO_MISSES in titles
         args = parser().parse_args(first_look.split("`")[1].split()[1:])
         assert args.command == "explain" and args.slo and args.since
-        page = (ROOT / "proxy" / "waterfall.js").read_text()
+        page = (ROOT / "proxy" / "serve" / "waterfall.js").read_text()
         assert f"/ui?slo={alert['labels']['slo']}&verdict=miss" in first_look and '"slo", "verdict"' in page
 
 
@@ -178,7 +178,7 @@ def test_compose_services_agree_with_the_cli_and_the_scrape_config():
     load = cli.parse_args(re.search(r"llm-latency-proxy (load [^;]+);", command).group(1).split())
     assert load.command == "load" and load.keys and load.shapes
     # Its two applications' keys are the ones the proxy's tenants file names by fingerprint (and only as fingerprints).
-    from proxy.tenants import Tenants
+    from proxy.serve.tenants import Tenants
 
     mounted = next(v for v in compose["proxy"]["volumes"] if v.endswith(":" + proxy.tenants + ":ro"))
     text = (ROOT / "dashboards" / mounted.split(":")[0]).read_text()

@@ -189,7 +189,7 @@ def test_the_collector_tail_samples_the_slow_and_the_failed():
     policies = {p["type"]: p for p in config["processors"]["tail_sampling"]["policies"]}
     assert policies["status_code"]["status_code"]["status_codes"] == ["ERROR"]
     ttft = policies["numeric_attribute"]["numeric_attribute"]
-    tracing_source = (ROOT / "proxy" / "tracing.py").read_text()
+    tracing_source = (ROOT / "proxy" / "measure" / "tracing.py").read_text()
     assert f'"{ttft["key"]}"' in tracing_source  # an attribute the proxy really sets
     assert policies["latency"]["latency"]["threshold_ms"] > 0 and 0 < policies["probabilistic"]["probabilistic"]["sampling_percentage"] < 100
 

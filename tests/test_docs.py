@@ -5,9 +5,10 @@ import sys
 from pathlib import Path
 
 from proxy.config import OPTIONS
-from proxy.meters import INSTRUMENTS
-from proxy.metrics import METRICS
-from proxy.timing import OUTCOMES, PHASES
+from proxy.measure.meters import INSTRUMENTS
+from proxy.measure.metrics import METRICS
+from proxy.errors import OUTCOMES
+from proxy.measure.timing import PHASES
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()

@@ -11,8 +11,9 @@ import httpx
 import openai
 import pytest
 
-from proxy import egress
-from proxy.demo import free_port
+from proxy.config import parse_egress
+from proxy.upstream import egress
+from proxy.processes import free_port
 
 from servers import Process, TinyProxy
 
@@ -29,7 +30,7 @@ def test_which_proxy_as_curl_reads_the_variables():
     with_creds = egress.choose("https", "a", 443, environ={"https_proxy": "http://us%40er:p%3Ass@p:1"})
     assert with_creds.authorization == b"Basic " + __import__("base64").b64encode(b"us@er:p:ss") and "p:ss" not in with_creds.where
     with pytest.raises(ValueError, match="http:// URL") as refused:
-        egress.parse("https://user:TOPSECRET@proxy:443")
+        parse_egress("https://user:TOPSECRET@proxy:443")
     assert "TOPSECRET" not in str(refused.value)
 
 
@@ -186,7 +187,7 @@ def test_a_proxy_refusing_the_credentials_is_a_clear_502_naming_no_secret(forwar
 
 def test_a_route_names_its_own_proxy_or_none(tmp_path, monkeypatch):
     from proxy.config import Settings
-    from proxy.routes import Router
+    from proxy.fleet.routes import Router
 
     monkeypatch.setenv("HTTPS_PROXY", "http://company-proxy:3128")
     routes = tmp_path / "routes.yaml"
@@ -196,7 +197,7 @@ def test_a_route_names_its_own_proxy_or_none(tmp_path, monkeypatch):
                       "  - {name: inside, url: 'https://vllm.internal/v1', upstream_proxy: none}\n"
                       "routes:\n  - {models: ['*'], upstreams: [openai]}\n")
     router = Router(Settings(routes=str(routes)))
-    egresses = {name: upstream.egress for name, upstream in router.upstreams.items()}
+    egresses = {name: upstream.pool.egress for name, upstream in router.upstreams.items()}
     assert egresses["openai"].host == "company-proxy"  # the environment's
     assert egresses["other"].where == "other-proxy:8080" and egresses["other"].authorization  # its own
     assert egresses["inside"] is None  # direct

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from servers import ROOT, ProxyServer, Simulator
-from proxy.explain import explain, gather, of_records, roofline, theil_sen
+from proxy.answers.explain import explain, gather, of_records, roofline, theil_sen
 from proxy.records import open_backend
 
 PREFILL_TPS, FIXED_S, ITL_1, ITL_PER_REQUEST = 5000.0, 0.02, 0.010, 0.0004

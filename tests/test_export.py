@@ -8,9 +8,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from proxy.config import Settings
-from proxy.export import flatten, rebuild
-from proxy.timing import split
-from proxy.tracing import Tracing
+from proxy.measure.export import flatten, rebuild
+from proxy.measure.timing import split
+from proxy.measure.tracing import Tracing
 
 from test_timing import streaming_record
 

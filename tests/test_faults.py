@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from proxy.demo import free_port
+from proxy.processes import free_port
 from servers import Process
 
 pytestmark = pytest.mark.e2e
@@ -189,7 +189,7 @@ def test_a_huge_body_is_413(proxy_factory):
 
 
 def test_slowloris_headers_and_bodies_are_cut(proxy_factory):
-    from proxy.server import GuardedHttpTools
+    from proxy.serve.server import GuardedHttpTools
 
     server = proxy_factory()
     # The in-process test server uses uvicorn's stock protocol: run the guarded one on its own port.

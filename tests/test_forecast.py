@@ -1,7 +1,7 @@
-"""Each replica's predicted time to first token (proxy/forecast.py): the fit, the gauge, the deadline it gives."""
+"""Each replica's predicted time to first token (proxy/fleet/forecast.py): the fit, the gauge, the deadline it gives."""
 import random
 
-from proxy.forecast import DEADLINE_MARGIN, MIN_SAMPLES, PRIOR_TOKENS_PER_S, Forecast, predictions
+from proxy.fleet.forecast import DEADLINE_MARGIN, MIN_SAMPLES, PRIOR_TOKENS_PER_S, Forecast, predictions
 
 
 def trained(seconds_per_token: float, fixed: float, n: int = 60) -> Forecast:
@@ -57,8 +57,8 @@ def test_an_inline_image_is_an_images_tokens_not_its_bytes():
 
     import orjson
 
-    from proxy import prefix
-    from proxy.forecast import MEDIA_TOKENS, media, tokens
+    from proxy.wire import prompt as prefix
+    from proxy.wire.prompt import MEDIA_TOKENS, media, tokens
 
     image = base64.b64encode(os.urandom(600_000)).decode()
     uri = "data:image/png;base64," + image

@@ -2,8 +2,8 @@
 for the end of the array, cut-off elements are no event, and growth past the limit stops framing."""
 from hypothesis import given, strategies as st
 
-from proxy.framing import ArrayDecoder, LineDecoder
-from proxy.sse import EventTooLarge
+from proxy.wire.framing import ArrayDecoder, LineDecoder
+from proxy.wire.sse import EventTooLarge
 
 ELEMENTS = [b'{"a": [1, {"b": "x}"}], "s": "q\\"uote ]"}', b'{"candidates": [{"content": {"parts": [{"text": "{[\\\\"}]}}]}', b"{}"]
 ARRAY = b"[" + b",\r\n".join(ELEMENTS) + b"]"

@@ -1,9 +1,9 @@
-"""A replica's health (proxy/health.py): set aside while it fails, back after one probe; on an injected clock."""
+"""A replica's health (proxy/fleet/health.py): set aside while it fails, back after one probe; on an injected clock."""
 import email.utils
 
 import pytest
 
-from proxy.health import EJECTED, PROBING, SERVING, EjectionSpec, Health, retry_after_s
+from proxy.fleet.health import EJECTED, PROBING, SERVING, EjectionSpec, Health, retry_after_s
 
 
 def test_consecutive_failures_eject_for_the_base_time_then_one_probe_decides():

@@ -1,4 +1,4 @@
-"""`explain --by tenant` (proxy/ledger.py): whose requests are slow, told apart from real traffic
+"""`explain --by tenant` (proxy/answers/ledger.py): whose requests are slow, told apart from real traffic
 through the proxy by the applications' own keys."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from proxy.tenants import fingerprint
+from proxy.serve.tenants import fingerprint
 
 KEYS = {"search": "sk-search-app-000000001", "batch": "sk-batch-app-000000002"}
 

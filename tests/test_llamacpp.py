@@ -16,7 +16,7 @@ import pytest
 from servers import ROOT, ProxyServer
 from engines.tap import Tap, http_body
 from engines.tiny_llama import write as write_model
-from proxy.demo import free_port, wait_healthy
+from proxy.processes import free_port, wait_healthy
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.engine]
 
@@ -101,7 +101,7 @@ def test_the_byte_stream_is_unaltered(engine):
 def test_usage_injection_is_skipped_once_the_engine_reports_counts(engine, via):
     ask(via, 1)  # first stream: usage injected, the engine's timings seen
     via.last_record()  # the proxy learns when it finalizes the request, just after the last byte
-    assert via.app.upstream.reports_counts is True
+    assert via.app.upstream.pool.reports_counts is True
     chunks = ask(via, 1)
     assert chunks[-1].usage is None  # nothing injected: the client's stream as llama.cpp sent it
     record = via.last_record()
@@ -246,7 +246,7 @@ def test_explain_over_llama_cpp_agrees_with_its_timings(engine, tmp_path):
     """`explain` over real llama.cpp traffic (prompts of 1 to 16 lines, from its records database):
     its fitted prefill and decode rates agree with the engine's own `timings` of the same requests (its prefill
     rate: the same fit over the engine's own prompt times, so that both are rates past the fixed cost)."""
-    from proxy.explain import explain, gather, render, theil_sen
+    from proxy.answers.explain import explain, gather, render, theil_sen
     from proxy.records import open_backend
 
     path = tmp_path / "records.sqlite"

@@ -6,9 +6,9 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import AggregationTemporality, InMemoryMetricReader
 
 from proxy.config import Settings
-from proxy.meters import TTFT_BUCKETS, Meters
-from proxy.labels import ModelLabels
-from proxy.timing import split
+from proxy.measure.meters import TTFT_BUCKETS, Meters
+from proxy.measure.labels import ModelLabels
+from proxy.measure.timing import split
 
 from test_timing import MS, streaming_record
 

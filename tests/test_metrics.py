@@ -7,9 +7,9 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from proxy.labels import ModelLabels, served
-from proxy.metrics import METRICS, ProxyMetrics
-from proxy.timing import split
+from proxy.measure.labels import ModelLabels, served
+from proxy.measure.metrics import METRICS, ProxyMetrics
+from proxy.measure.timing import split
 
 from test_timing import streaming_record
 
@@ -138,10 +138,10 @@ def test_series_at_the_model_cap(proxy_factory, tmp_path):
     and every blame of ttft, tpot, e2e and error, per set, for SLO_SETS sets and `other`). And the
     requests come from 50 tenants, 20 of them named in the --tenants file, each from its own end
     user: the tenant label holds the 20 and `other`, no end user is a label, the bounds hold."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-    import scrape
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from bench.scale import scrape
 
-    from proxy.metrics import BLAMES, SLO_SETS
+    from proxy.measure.metrics import BLAMES, SLO_SETS
 
     objectives = tmp_path / "slo.yaml"
     objectives.write_text("objectives:\n  - name: all\n    models: ['*']\n    ttft: 0.5\n    tpot: 0.05\n    e2e: 30\n    target: 0.99\n")

@@ -6,10 +6,11 @@ import threading
 
 import orjson
 
-from proxy import apis, prefix
-from proxy.offload import BIG_BODY_BYTES, Offload
+from proxy import apis
+from proxy.wire import prompt
+from proxy.measure.offload import BIG_BODY_BYTES, Offload
 from proxy.apis.openai import prompt_parts
-from proxy.tokens import Tokenizer
+from proxy.wire.tokens import Tokenizer
 
 
 def test_a_large_prompt_is_counted_in_the_worker_with_the_tokenizers_own_time():
@@ -51,7 +52,7 @@ def test_a_big_request_body_is_summarised_in_the_worker():
         offload.shutdown()
     chain = view.pop("_chain")  # its prompt as the replicas' prefix indexes see it (prefix.py), made in the worker too
     assert view == {"model": "m", "stream": True, "stream_options": {"include_usage": 1}, "_partial": True, "_media": (0, 0)}
-    assert chain is not None and len(chain.hashes) == 1 and chain == prefix.chain(orjson.loads(body), len(body) // 4)  # the same as here
+    assert chain is not None and len(chain.hashes) == 1 and chain == prompt.chain(orjson.loads(body), len(body) // 4)  # the same as here
     assert BIG_BODY_BYTES * 2 // 4 <= chain.total < (BIG_BODY_BYTES * 2 + 64) // 4  # (its size: the text's bytes / 4)
     assert parts is not None and parts.texts == ["user", "x " * BIG_BODY_BYTES] and parts.fixed == 3 + 3
     assert small == (None, None)

@@ -14,7 +14,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportM
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest, ExportTraceServiceResponse
 
 from servers import SCHEDULER_SLACK_S, Process
-from proxy.demo import free_port
+from proxy.processes import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -130,7 +130,7 @@ def test_every_token_is_stamped_by_default_and_read_back_from_otlp(sim):
         # few µs of clock conversion aside); the proxy stamps each piece as the protocol reads it
         # (connection.py), so the typical one is well under a millisecond late, the first chunk
         # (TTFT's end) like the rest. The bound on every one leaves room for this 2-core machine's
-        # scheduler (another process on the CPU for a few ms; bench/stamps.py measures it apart).
+        # scheduler (another process on the CPU for a few ms; bench/truth/stamps.py measures it apart).
         late = [round((ns - before * 1e9) / 1000) for ns, (before, _) in zip(stamps, truth)]
         assert all(delay >= -20 for delay in late), late
         assert statistics.median(late) <= 500 and max(late) <= SCHEDULER_SLACK_S * 1e6, late
@@ -158,7 +158,7 @@ def test_metrics_over_otlp_with_the_genai_conventions_and_true_values(sim, tmp_p
     """The standard variables switch OTLP metrics on beside /metrics; a real receiver decodes what
     arrives: the conventions' names, units, attributes and advised buckets, and values equal to the
     proxy's own records of the same requests (an injected 200 ms TTFT, 10 tokens at 100 tok/s)."""
-    from proxy import meters
+    from proxy.measure import meters
 
     receiver = Receiver()
     port = free_port()

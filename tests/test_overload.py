@@ -14,10 +14,10 @@ import openai
 import pytest
 
 from servers import ROOT, Process, Simulator, descriptors_exhausted, scraped, sockets_to
-from proxy.demo import free_port
+from proxy.processes import free_port
 
-sys.path.insert(0, str(ROOT / "bench"))
-from burst import Peak, descriptors, run_burst, settle  # noqa: E402
+sys.path.insert(0, str(ROOT))
+from bench.truth.burst import Peak, descriptors, run_burst, settle  # noqa: E402
 
 pytestmark = [pytest.mark.e2e]
 

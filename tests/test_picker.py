@@ -1,4 +1,4 @@
-"""Which replica takes a request (proxy/picker.py): filter, probe, explore, score, pick; over replicas
+"""Which replica takes a request (proxy/fleet/picker.py): filter, probe, explore, score, pick; over replicas
 whose health and forecast are set by hand, on an injected clock."""
 from __future__ import annotations
 
@@ -6,10 +6,11 @@ import collections
 import random
 from dataclasses import dataclass, field
 
-from proxy.forecast import MIN_SAMPLES, Forecast
-from proxy.health import EjectionSpec, Health
-from proxy.picker import STALE_S, Picker, serving
-from proxy.prefix import Chain, Index, Use, chain
+from proxy.fleet.forecast import MIN_SAMPLES, Forecast
+from proxy.fleet.health import EjectionSpec, Health
+from proxy.fleet.picker import STALE_S, Picker, serving
+from proxy.fleet.prefix import Index, Use
+from proxy.wire.prompt import Chain, chain
 
 NOW = 1000.0
 
@@ -117,7 +118,8 @@ def test_a_retry_goes_to_an_untried_replica_or_none():
 def test_a_conversation_goes_where_its_prefix_is_until_that_replica_is_loaded():
     """predicted_ttft over the uncached part: the replica holding the prefix wins; past its bounded share of the
     requests in flight it takes no more, and exploring never throws the prefix away."""
-    from proxy.prefix import Index, chain
+    from proxy.fleet.prefix import Index
+    from proxy.wire.prompt import chain
 
     a, b = fitted("a", 0.0002), fitted("b", 0.0002)
     a.prefixes, b.prefixes = Index(), Index()  # type: ignore[attr-defined]
@@ -137,7 +139,8 @@ def test_a_conversation_goes_where_its_prefix_is_until_that_replica_is_loaded():
 def test_proxies_that_share_nothing_agree_on_a_conversations_replica():
     """Rendezvous on the session key breaks ties: two pickers (two proxies) send each conversation to the same
     replica, and different conversations spread."""
-    from proxy.prefix import Index, chain
+    from proxy.fleet.prefix import Index
+    from proxy.wire.prompt import chain
 
     places: list[list[str]] = []
     for seed in (1, 2):

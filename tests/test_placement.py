@@ -1,4 +1,4 @@
-"""A route's retries and its replicas' health on real sockets (proxy/placement.py, picker.py, health.py): a
+"""A route's retries and its replicas' health on real sockets (proxy/fleet/placement.py, picker.py, health.py): a
 replica stuck after its headers, one that answers 503 at once, one that refuses connections, one that
 asks for quiet with a 429, one that fails and recovers, one that breaks after its first tokens, long
 prompts on healthy replicas, a route of one replica, equal replicas with non-streaming requests, and
@@ -20,7 +20,8 @@ import pytest
 import yaml
 
 from servers import RawUpstream, Simulator, scraped
-from proxy.demo import free_port, prompt_of
+from proxy.demo import prompt_of
+from proxy.processes import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -496,8 +497,8 @@ def test_a_proxy_new_to_a_conversation_finds_its_replica_after_one_stray(fleet, 
     replica alone), then resumed through a proxy that has never seen it: that proxy looks where the key ranks first,
     the engine reports none of the conversation cached there (one stray, counted), and from the next turn on the
     conversation goes where it lives, its first turn served from the cache there."""
-    from proxy.picker import Picker
-    from proxy.prefix import chain
+    from proxy.fleet.picker import Picker
+    from proxy.wire.prompt import chain
 
     two = fleet[:2]
     for each in two:

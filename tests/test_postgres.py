@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.demo import free_port
+from proxy.processes import free_port
 from proxy.records import Filters, Writer
 from proxy.records import codec
 from proxy.records import columns as C
@@ -291,7 +291,7 @@ def test_the_fleet_store_answers_as_every_record_did_compacted_or_not(clean):
     import explain_reference
     from test_aggregate import differences, fixed_set
 
-    from proxy.explain import explain, gather
+    from proxy.answers.explain import explain, gather
 
     pg = clean
     records = fixed_set()
@@ -317,7 +317,7 @@ def test_schema_1_moves_in_place_while_old_replicas_keep_writing(clean):
     import schema1
     from test_aggregate import differences
 
-    from proxy.explain import explain, gather
+    from proxy.answers.explain import explain, gather
 
     pg = clean
     pg.query(f"DROP TABLE IF EXISTS {', '.join(TABLES)}, llmproxy_meta")
@@ -350,8 +350,8 @@ def test_version_2_migrates_while_an_old_replica_keeps_writing(clean):
     import schema2
     from test_aggregate import differences
 
-    from proxy import ledger
-    from proxy.explain import explain, gather
+    from proxy.answers import ledger
+    from proxy.answers.explain import explain, gather
 
     pg = clean
     records = list(fleet.records(400, time.time_ns() - 3 * 3600 * 10**9, 3 * 3600, models=4, instances=2, seed=11))
@@ -379,7 +379,7 @@ def test_version_2_migrates_while_an_old_replica_keeps_writing(clean):
 def test_records_move_from_sqlite_to_postgresql_and_an_import_again_skips_them(clean, tmp_path):
     """`records export` from the embedded store, `records import` into the fleet's: every record, under its
     id, with the same explain; the same lines again store nothing."""
-    from proxy.explain import explain, gather, of_records
+    from proxy.answers.explain import explain, gather, of_records
     from test_aggregate import differences
 
     pg = clean

@@ -1,8 +1,9 @@
-"""Each replica's prefix index (proxy/prefix.py): prompts as chains of links, the longest held prefix, the LRU
+"""Each replica's prefix index (proxy/fleet/prefix.py): prompts as chains of links, the longest held prefix, the LRU
 bounded in tokens, what the engine's report corrects, and the session key."""
 from __future__ import annotations
 
-from proxy.prefix import Chain, Index, Use, chain
+from proxy.fleet.prefix import Index, Use
+from proxy.wire.prompt import Chain, chain
 
 SYSTEM = {"role": "system", "content": "You are a coding agent. " * 400}  # ~2,400 tokens estimated
 TOOLS = [{"type": "function", "function": {"name": f"tool_{i}", "parameters": {"type": "object"}}} for i in range(20)]
@@ -187,8 +188,9 @@ def test_a_hostile_body_costs_a_few_links_whatever_it_holds():
     however many such prompts it is sent (its memory: a link is an int key and an int in an ordered dict)."""
     import orjson
 
-    from proxy import prefix
-    from proxy.forecast import tokens
+    from proxy.fleet import prefix
+    from proxy.wire import prompt
+    from proxy.wire.prompt import tokens
 
     bodies = [{"model": "m", "prompt": [7] * 450_000}, {"model": "m", "messages": [{"role": "user", "content": ""}] * 60_000},
               {"model": "m", "prompt": [[3]] * 200_000}]
@@ -196,7 +198,7 @@ def test_a_hostile_body_costs_a_few_links_whatever_it_holds():
     for body in bodies:
         size = tokens(len(orjson.dumps(body)))
         made = chain(body, size)
-        assert made is not None and len(made.hashes) <= prefix.ITEMS_LINKED * 32 // prefix.LINK_BYTES + 2, len(made.hashes)
+        assert made is not None and len(made.hashes) <= prompt.ITEMS_LINKED * 32 // prompt.LINK_BYTES + 2, len(made.hashes)
         assert min(made.tokens) >= 1 and made.total == max(size, sum(made.tokens)) and made.rest > 0
         index.sent(made)
         assert index.match(made) == sum(made.tokens)  # (what is linked is matched; the rest is only counted)
@@ -208,7 +210,7 @@ def test_a_hostile_body_costs_a_few_links_whatever_it_holds():
 def test_small_messages_share_a_link_and_a_conversation_still_matches():
     """A conversation of short turns ("ok", "go on"): links of at least LINK_BYTES, and each turn still matches all of the
     last one's but its final link's bytes (less than a link: within the engine's block rounding plus TOLERANCE)."""
-    from proxy import prefix
+    from proxy.wire import prompt
 
     messages = [{"role": "system", "content": "be brief"}]
     index, before = Index(), None
@@ -217,6 +219,6 @@ def test_small_messages_share_a_link_and_a_conversation_still_matches():
         now = chain({"messages": list(messages)})
         assert now is not None and len(now.hashes) <= 3 + len(messages) // 4  # (small messages share links)
         if before is not None:
-            assert before.total - prefix.LINK_BYTES // 4 - 2 <= index.match(now) <= before.total
+            assert before.total - prompt.LINK_BYTES // 4 - 2 <= index.match(now) <= before.total
         index.sent(now)
         before = now

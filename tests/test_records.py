@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from servers import Process
-from proxy.demo import free_port
+from proxy.processes import free_port
 from proxy.records import Filters, Writer
 from proxy.records.sqlite import SQLiteBackend
 
@@ -189,7 +189,7 @@ def test_a_schema_1_file_is_moved_in_place_while_an_old_worker_keeps_writing(tmp
     import schema1
     from test_aggregate import differences
 
-    from proxy.explain import explain, gather
+    from proxy.answers.explain import explain, gather
 
     path = str(tmp_path / "old.sqlite")
     records = list(fleet.records(520, time.time_ns() - 3 * 3600 * 10**9, 3 * 3600, models=6, instances=1, seed=5))
@@ -220,8 +220,8 @@ def test_a_version_2_file_migrates_while_an_old_worker_keeps_writing(tmp_path):
     import schema2
     from test_aggregate import differences
 
-    from proxy import ledger
-    from proxy.explain import explain, gather
+    from proxy.answers import ledger
+    from proxy.answers.explain import explain, gather
 
     path = str(tmp_path / "v2.sqlite")
     records = list(fleet.records(400, time.time_ns() - 3 * 3600 * 10**9, 3 * 3600, models=4, instances=1, seed=9))

@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from servers import ProxyServer
-from proxy.demo import free_port
+from proxy.processes import free_port
 
 pytestmark = pytest.mark.e2e
 KEY = "sk-client-abc123-do-not-log"
@@ -139,7 +139,7 @@ def test_dns_failure_is_502_naming_dns(proxy_factory):
     async def no_such_host(host, port, **kwargs):
         raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
 
-    server.app.upstream.resolver = no_such_host
+    server.app.upstream.pool.resolver = no_such_host
     response = httpx.post(f"{server.v1}/chat/completions", json=chat_body())
     assert response.status_code == 502 and response.json()["error"]["code"] == "upstream_dns_error"
 

@@ -6,7 +6,7 @@ from hypothesis import given, strategies as st
 
 from proxy import apis
 from proxy.apis.openai import USAGE_OPTION, usage_injected_body
-from proxy.request import filter_headers
+from proxy.serve.request import filter_headers
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
                     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),

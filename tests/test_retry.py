@@ -1,7 +1,7 @@
-"""A route's retry budget (proxy/retry.py): a share of its recent requests, with a floor, over a window."""
+"""A route's retry budget (proxy/fleet/retry.py): a share of its recent requests, with a floor, over a window."""
 import pytest
 
-from proxy.retry import BudgetSpec, RetryBudget
+from proxy.fleet.retry import BudgetSpec, RetryBudget
 
 
 def test_retries_are_bounded_by_the_floor_and_the_share_of_requests():

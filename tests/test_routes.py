@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from servers import Process, Simulator, scraped
-from proxy.demo import free_port
+from proxy.processes import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -134,7 +134,7 @@ def test_a_broken_routes_file_stops_the_start_with_one_clear_line(tmp_path):
 ])
 def test_every_key_of_a_route_is_checked_and_a_wrong_one_refused_with_its_line(tmp_path, route, words):
     from proxy.config import Settings
-    from proxy.routes import Router
+    from proxy.fleet.routes import Router
 
     path = tmp_path / "routes.yaml"
     good = {"upstreams": [{"name": "a", "url": "http://127.0.0.1:9/v1"}, {"name": "b", "url": "http://127.0.0.1:10/v1"}],

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from proxy.demo import free_port
+from proxy.processes import free_port
 from servers import ROOT, Process
 from test_otlp import Receiver
 
@@ -51,7 +51,7 @@ def test_no_credential_or_prompt_in_logs_metrics_spans_records_or_errors(sim, tm
         proc = subprocess.Popen([sys.executable, "-m", "proxy", "serve", "--upstream", f"{sim.url}/v1", "--port", str(port)],
                                 cwd=ROOT, env={**__import__("os").environ, **env}, stdout=log, stderr=subprocess.STDOUT)
         try:
-            from proxy.demo import wait_healthy
+            from proxy.processes import wait_healthy
 
             wait_healthy(f"http://127.0.0.1:{port}/healthz", proc)
             run_traffic(f"http://127.0.0.1:{port}/v1")

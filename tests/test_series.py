@@ -6,8 +6,8 @@ import math
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, Summary
 
-from proxy.buckets import GAP_BUCKETS, TTFT_BUCKETS
-from proxy.series import Cell, increment, observe_many, observer
+from proxy.measure.buckets import GAP_BUCKETS, TTFT_BUCKETS
+from proxy.measure.series import Cell, increment, observe_many, observer
 
 VALUES = [0.0, 0.00001, 0.025, 0.0251, 0.05, 0.3, 7.0, 30.0, 1e9, -1.0, 0.02, 0.02]
 

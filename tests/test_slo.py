@@ -10,9 +10,9 @@ import openai
 import orjson
 import pytest
 
-from proxy import slo
-from proxy.slo import SLOs, Usual, blame, parse
-from proxy.timing import split
+from proxy.measure import slo
+from proxy.measure.slo import SLOs, Usual, blame, parse
+from proxy.measure.timing import split
 
 from test_timing import MS, streaming_record
 

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from proxy.demo import free_port
+from proxy.processes import free_port
 
 from servers import Process, Simulator, scraped
 

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from soak import soak  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.scale.soak import soak  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

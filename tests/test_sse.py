@@ -1,7 +1,7 @@
 """SSE framing: split reads, multi-event reads, [DONE], comments, line endings; bytes unaltered."""
 from hypothesis import given, strategies as st
 
-from proxy.sse import EventTooLarge, SSEDecoder
+from proxy.wire.sse import EventTooLarge, SSEDecoder
 
 STREAM = (
     b'data: {"a":1}\n\n'
@@ -91,7 +91,7 @@ def test_an_event_past_the_limit_stops_framing_with_its_bytes_kept():
 def test_framing_searches_each_byte_once_however_many_reads_an_event_spans(monkeypatch):
     """An event that grows by 1 KB a read for 2,000 reads: the line-end search covers each byte about
     once (linear), not the whole unfinished event again on every read (quadratic: ~2 GB here)."""
-    import proxy.sse as sse
+    import proxy.wire.sse as sse
 
     real, scanned = sse._LINE_END, [0]
 

@@ -13,10 +13,10 @@ import pytest
 from uvicorn.config import Config
 from uvicorn.server import ServerState
 
-from proxy.connection import Connection
-from proxy.server import GuardedHttpTools
-from proxy.timing import STAMPS
-from proxy.timing import now_ns
+from proxy.upstream.connection import Connection
+from proxy.serve.server import GuardedHttpTools
+from proxy.measure.timing import STAMPS
+from proxy.measure.timing import now_ns
 
 HOLD_S = 0.030
 MS = 1_000_000

@@ -380,7 +380,7 @@ def test_a_kill_9_under_load_is_counted_on_restart(pg, sim, tmp_path):
     import httpx
     import psycopg
 
-    from proxy.demo import free_port, wait_healthy
+    from proxy.processes import free_port, wait_healthy
     from proxy.records.postgres import connect
     from servers import ROOT, scraped
 

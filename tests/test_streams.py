@@ -175,7 +175,7 @@ def test_an_upstream_rejecting_stream_options_gets_the_request_unchanged(sim, pr
         chunks = stream(server, 3, headers)
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == " the of and"
     assert sim.stats()["requests"] - before == 3  # one rejected attempt, then never asked again
-    assert server.app.upstream.rejects_stream_options
+    assert server.app.upstream.pool.rejects_stream_options
     assert [r["outcome"] for r in server.records()] == ["ok", "ok"]
     with pytest.raises(openai.BadRequestError):  # a client that asks for it itself sees the upstream's answer
         stream(server, 3, headers, stream_options={"include_usage": True})
@@ -234,7 +234,7 @@ def test_tgi_headers_split_a_non_streaming_request(proxy):
 
 
 def test_a_split_that_fails_still_finishes_the_request(proxy, monkeypatch):
-    import proxy.telemetry as telemetry
+    import proxy.measure.telemetry as telemetry
 
     def broken(t):
         raise RuntimeError("split exploded")
@@ -279,8 +279,8 @@ def test_recorded_vllm_stream_and_body_join(tmp_path):
 
     from proxy.apis import read_json_body
     from proxy.apis.openai import parse_chunk
-    from proxy.engine import from_vllm
-    from proxy.sse import SSEDecoder
+    from proxy.wire.engine import from_vllm
+    from proxy.wire.sse import SSEDecoder
 
     data = Path(__file__).parent / "data" / "vllm-0.32.0"
     events = SSEDecoder().feed((data / "chat_stream.txt").read_bytes())
@@ -302,9 +302,9 @@ def test_recorded_vllm_responses_stream():
     from pathlib import Path
 
     from proxy.apis.openai import parse_chunk
-    from proxy.chunk import read_usage
-    from proxy.engine import from_vllm
-    from proxy.sse import SSEDecoder
+    from proxy.wire.chunk import read_usage
+    from proxy.wire.engine import from_vllm
+    from proxy.wire.sse import SSEDecoder
 
     raw = (Path(__file__).parent / "data" / "vllm-0.32.0" / "resp_stream.txt").read_bytes()
     chunks = [parse_chunk(e.data) for e in SSEDecoder().feed(raw) if e.data]

@@ -4,10 +4,10 @@ import time
 
 from prometheus_client import CollectorRegistry
 
-from proxy.app import ProxyApp
+from proxy.serve.app import ProxyApp
 from proxy.config import Settings
-from proxy.telemetry import RequestContext
-from proxy.timing import RequestTiming, now_ns
+from proxy.measure.telemetry import RequestContext
+from proxy.measure.timing import RequestTiming, now_ns
 
 
 def finished_context(telemetry) -> RequestContext:

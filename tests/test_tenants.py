@@ -1,4 +1,4 @@
-"""Who sent a request (proxy/tenants.py): the file, the fingerprints, the sources in their order."""
+"""Who sent a request (proxy/serve/tenants.py): the file, the fingerprints, the sources in their order."""
 import hashlib
 import os
 import subprocess
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from proxy.tenants import DYNAMIC_MAX, Tenants, api_user, fingerprint, parse
+from proxy.serve.tenants import DYNAMIC_MAX, Tenants, api_user, fingerprint, parse
 
 KEY_A, KEY_B = "sk-search-0123456789abcdef", "sk-batch-fedcba9876543210"
 FILE = f"""
@@ -131,7 +131,7 @@ def test_every_request_attributed_to_its_tenant_and_user_and_no_key_anywhere(pro
     import httpx
     import openai
 
-    from proxy import ledger
+    from proxy.answers import ledger
     from proxy.records import open_backend
 
     path = tmp_path / "tenants.yaml"

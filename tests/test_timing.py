@@ -1,7 +1,7 @@
 """The timing record: explicit instants in, exact durations and phases out."""
 import pytest
 
-from proxy.timing import NS, RequestTiming, split
+from proxy.measure.timing import NS, RequestTiming, split
 
 MS = 1_000_000
 

@@ -6,7 +6,7 @@ import socket
 import pytest
 
 from proxy.apis.openai import prompt_parts
-from proxy.tokens import BPE_FILES, Tokenizer, seed_cache
+from proxy.wire.tokens import BPE_FILES, Tokenizer, seed_cache
 
 
 @pytest.fixture
@@ -93,7 +93,7 @@ def test_tools_tool_calls_and_content_parts():
 
 
 def test_the_cache_knows_each_part_by_its_text_and_forgets_the_oldest():
-    from proxy.tokens import TokenCache
+    from proxy.wire.tokens import TokenCache
 
     cache = TokenCache(max_bytes=10, max_entries=100)
     assert cache.lookup("o200k_base", ["abcd", "efgh"]) == [None, None] and cache.misses == 2
@@ -107,7 +107,7 @@ def test_the_cache_knows_each_part_by_its_text_and_forgets_the_oldest():
 def test_a_long_text_is_found_by_its_samples_and_taken_only_when_equal_whole():
     """A long part (an agent's system prompt) is looked up by its length and samples, then compared
     whole: a text of the same samples that differs anywhere else is a miss, never the other's count."""
-    from proxy.tokens import LONG_TEXT, TokenCache
+    from proxy.wire.tokens import LONG_TEXT, TokenCache
 
     cache = TokenCache()
     long = LONG_TEXT
@@ -128,7 +128,7 @@ def test_a_long_text_is_found_by_its_samples_and_taken_only_when_equal_whole():
 
 
 def test_the_cache_rate_is_learned_from_large_counts_weighted_by_tokens():
-    from proxy.tokens import TokenCache
+    from proxy.wire.tokens import TokenCache
 
     cache = TokenCache()
     cache.measured(20, 20e-6)  # small counts: 1 µs a token, their per-call overhead included

@@ -6,8 +6,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from proxy.config import Settings
-from proxy.timing import split
-from proxy.tracing import Tracing
+from proxy.measure.timing import split
+from proxy.measure.tracing import Tracing
 
 from test_timing import streaming_record
 

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from servers import scraped
-from proxy.admission import RESERVE
+from proxy.upstream.limits import RESERVE
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -121,9 +121,9 @@ def test_a_pooled_connections_rtt_is_read_on_its_first_request_then_once_a_secon
     connection's is read with its first request, then given to the next ones until it is RTT_EVERY_NS old."""
     import asyncio
 
-    from proxy import upstream as U
+    from proxy.upstream import pool as U
     from proxy.config import Settings
-    from proxy.timing import RequestTiming, now_ns
+    from proxy.measure.timing import RequestTiming, now_ns
 
     reads: list[float | None] = []
     real = U.socket_rtt_s
@@ -135,7 +135,7 @@ def test_a_pooled_connections_rtt_is_read_on_its_first_request_then_once_a_secon
     monkeypatch.setattr(U, "socket_rtt_s", spy)
 
     async def requests() -> list[RequestTiming]:
-        pool = U.Upstream(Settings(upstream=f"{sim.url}/v1"))
+        pool = U.Pool(Settings(upstream=f"{sim.url}/v1"))
         timings = []
         for i in range(3):
             t = RequestTiming(received_ns=now_ns())

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from servers import Process
-from proxy.demo import free_port
+from proxy.processes import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 REQUESTS = 40

@@ -22,9 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..chunk import BodyInfo, Chunk, json_object, string
-from ..compression import DecodeError, decompress
-from ..tokens import PromptParts
+from ..wire.chunk import BodyInfo, Chunk, json_object, string
+from ..wire.compression import DecodeError, decompress
+from ..wire.tokens import PromptParts
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,9 +19,9 @@ from __future__ import annotations
 from typing import Any
 
 
-from ..chunk import BodyInfo, Chunk, count, listed, string
-from ..text import json_text
-from ..tokens import REPLY_PRIMING, TOKENS_PER_MESSAGE, Parts, PromptParts
+from ..wire.chunk import BodyInfo, Chunk, count, listed, string
+from ..wire.text import json_text
+from ..wire.tokens import REPLY_PRIMING, TOKENS_PER_MESSAGE, Parts, PromptParts
 from . import Dialect, Route
 
 DELTA_TEXT = {"text_delta": "text", "thinking_delta": "thinking", "input_json_delta": "partial_json"}  # delta type: its text field

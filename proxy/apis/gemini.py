@@ -23,9 +23,9 @@ from typing import Any
 from urllib.parse import parse_qsl, urlencode
 
 
-from ..chunk import BodyInfo, Chunk, count, listed, string
-from ..text import json_text
-from ..tokens import REPLY_PRIMING, TOKENS_PER_MESSAGE, Parts, PromptParts
+from ..wire.chunk import BodyInfo, Chunk, count, listed, string
+from ..wire.text import json_text
+from ..wire.tokens import REPLY_PRIMING, TOKENS_PER_MESSAGE, Parts, PromptParts
 from . import Dialect, Route
 
 _PATH = re.compile(r"^/v1(?:beta\d*|alpha)?/(?:projects/[^/]+/locations/[^/]+/publishers/google/)?(?:tuned)?models/([^/:]+):(\w+)$")

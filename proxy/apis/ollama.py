@@ -17,10 +17,10 @@ from __future__ import annotations
 from typing import Any
 
 
-from ..chunk import BodyInfo, Chunk, count, listed, string
-from ..text import json_text
-from ..engine import from_ollama
-from ..tokens import REPLY_PRIMING, TOKENS_PER_MESSAGE, Parts, PromptParts
+from ..wire.chunk import BodyInfo, Chunk, count, listed, string
+from ..wire.text import json_text
+from ..wire.engine import from_ollama
+from ..wire.tokens import REPLY_PRIMING, TOKENS_PER_MESSAGE, Parts, PromptParts
 from . import Dialect, Route
 
 ENDPOINTS = {"/api/chat": "ollama_chat", "/api/generate": "ollama_generate", "/api/embed": "ollama_embed", "/api/embeddings": "ollama_embed"}

@@ -24,9 +24,9 @@ from typing import Any
 
 import orjson
 
-from ..chunk import DONE, BodyInfo, Chunk, count, json_object, listed, string, strip_usage_null
-from ..text import json_text
-from ..tokens import REPLY_PRIMING, TOKENS_PER_MESSAGE, TOKENS_PER_NAME, Parts, PromptParts
+from ..wire.chunk import DONE, BodyInfo, Chunk, count, json_object, listed, string, strip_usage_null
+from ..wire.text import json_text
+from ..wire.tokens import REPLY_PRIMING, TOKENS_PER_MESSAGE, TOKENS_PER_NAME, Parts, PromptParts
 from . import Dialect, Route
 
 ENDPOINTS = {"/chat/completions": "chat", "/completions": "completions", "/embeddings": "embeddings", "/responses": "responses"}

@@ -30,9 +30,6 @@ from .sql import Window
 
 log = logging.getLogger("llmproxy.records")
 
-DROP_REASONS = ("buffer_full", "rejected", "shutdown", "clock_skew")
-
-
 class Unavailable(Exception):
     """The store cannot take rows now (down, locked, slow): keep them and try again."""
 
@@ -167,5 +164,5 @@ def open_backend(target: str, max_rows: int = -1, max_age_s: float = 7 * 86400.0
 
 from .writer import BATCH, FLUSH_S, RETRY_S, Writer, serialise  # noqa: E402  (the writer needs the nouns above)
 
-__all__ = ["BATCH", "DROP_REASONS", "FLUSH_S", "RETRY_S", "Backend", "Filters", "Rejected", "Row", "Skewed", "Unavailable", "Writer",
+__all__ = ["BATCH", "FLUSH_S", "RETRY_S", "Backend", "Filters", "Rejected", "Row", "Skewed", "Unavailable", "Writer",
            "is_postgres", "open_backend", "serialise"]

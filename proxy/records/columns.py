@@ -31,9 +31,9 @@ from typing import Any
 
 import orjson
 
-from ..buckets import DURATION_BUCKETS, TTFT_BUCKETS
-from ..labels import ModelLabels, served
-from ..text import storable
+from ..measure.buckets import DURATION_BUCKETS, TTFT_BUCKETS
+from ..measure.labels import ModelLabels, served
+from ..wire.text import storable
 from . import codec
 
 GAMMA = 1.02  # bucket ratio: a value is within sqrt(GAMMA) - 1 = 0.995% of its bucket's middle

@@ -2,7 +2,7 @@
 
 Why a process: what a record costs beyond its JSON (its typed columns, its compression, the store's
 driver encoding the batch, SQLite's own inserting and indexing in-process) held the serving process's
-GIL and CPU: 65 µs a record, 13% fewer short requests a second (bench/records_cost.py). Here the
+GIL and CPU: 65 µs a record, 13% fewer short requests a second (bench/store/records_cost.py). Here the
 serving process only names the record, serialises it once (orjson) and queues it; what is queued goes to
 the writer process over a pipe, one message a batch, where a `Writer`
 (records/__init__.py: its bounded buffer, batches, retries, maintenance, boots) does the rest, and reports back

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import sqlite3
 import time
 from pathlib import Path
@@ -50,7 +49,7 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS llmproxy_records (
     id INTEGER PRIMARY KEY,     -- insertion order: a batch's new rows are those above the last id before it
     {', '.join(f'{c} {TYPES[c]}' for c in C.COLUMNS)},  -- columns.py
-    data BLOB NOT NULL          -- the record's JSON (proxy.context.record_dict, with its id), compressed (codec.py)
+    data BLOB NOT NULL          -- the record's JSON (proxy.measure.context.record_dict, with its id), compressed (codec.py)
 );
 CREATE UNIQUE INDEX IF NOT EXISTS llmproxy_records_key ON llmproxy_records (ended_ns, key);
 CREATE INDEX IF NOT EXISTS llmproxy_records_model ON llmproxy_records (model, upstream, ended_ns, key, px, py, dx, dy);
@@ -70,13 +69,6 @@ INSERT = (f"INSERT INTO llmproxy_records ({', '.join(NAMES)}) VALUES ({', '.join
           "ON CONFLICT (ended_ns, key) DO NOTHING")
 ADD = A.rollup(A.SQLITE, "(SELECT * FROM llmproxy_records WHERE id > ?)")
 ENDED = C.COLUMNS.index("ended_ns")
-
-
-def default_path(port: int) -> str:
-    """In the user's data directory (XDG), one file per listening port: the workers of one proxy
-    share it; two proxies on one machine do not mix their records."""
-    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    return str(Path(base) / "llm-latency-proxy" / f"records-{port}.sqlite")
 
 
 def connect(path: str, timeout: float = 5.0, readonly: bool = False) -> sqlite3.Connection:

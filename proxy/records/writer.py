@@ -18,8 +18,8 @@ from typing import Any, Callable
 
 import orjson
 
-from ..chunk import json_object
-from ..text import storable
+from ..wire.chunk import json_object
+from ..wire.text import storable
 from . import Backend, Filters, Rejected, Row, Skewed, Unavailable
 from .boots import Tally, host
 from .columns import ended_ns, skew

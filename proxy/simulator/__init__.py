@@ -1,4 +1,5 @@
-"""A built-in upstream that behaves like an inference engine, on a known schedule, and speaks every
+"""The simulated world `make demo`, the tests and the benchmarks run in: the clients (load.py: a traffic mix;
+sessions.py: coding agents' conversations) and a built-in upstream that behaves like an inference engine, on a known schedule, and speaks every
 API the proxy measures, one module each as the proxy has them (`openai.py`: chat and completions,
 `responses.py`: the Responses API, `anthropic.py`: Messages); Azure OpenAI's paths are served as chat.
 
@@ -53,9 +54,9 @@ from .cache import PrefixCache
 from .schedule import Plan, SimConfig, SimStats
 from .compression import encoded
 from .. import apis
-from ..chunk import json_object
-from ..text import dumps, storable
-from ..tokens import Tokenizer
+from ..wire.chunk import json_object
+from ..wire.text import dumps, storable
+from ..wire.tokens import Tokenizer
 
 # Each is one token in cl100k_base and o200k_base, so chunk text and token counts agree.
 WORDS = (" the", " of", " and", " to", " in", " is", " that", " for", " it", " with", " as", " on")

@@ -1,7 +1,7 @@
 """The simulated engine's prefix cache (`--prefix-cache-tokens N`): what vLLM's automatic prefix caching
 does, so tests and `make demo` see cached tokens as an engine reports them.
 
-Deliberately not the proxy's own model of a cache (proxy/prefix.py chains whole messages of the
+Deliberately not the proxy's own model of a cache (proxy/fleet/prefix.py chains whole messages of the
 request's JSON): the engine sees the prompt as rendered, so this one chains fixed blocks of the
 prompt's text (`BLOCK_CHARS`, about 16 tokens, as vLLM's 16-token blocks), each block's hash the hash
 of all the text before it too. A prompt's cached part is its longest run of leading blocks the cache

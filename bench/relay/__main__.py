@@ -1,0 +1,4 @@
+"""`python -m bench.relay SUBCOMMAND [flags]`: one of this tool's benchmarks (bench/harness.py: `dispatch`)."""
+from bench.harness import dispatch
+
+raise SystemExit(dispatch("bench.relay"))

@@ -1,0 +1,23 @@
+"""One replica as the fleet knows it: the connection pool to it (upstream/pool.py), the requests on it now, and
+what the fleet learned of it: whether it is set aside for failing (health.py), its predicted time to first token
+(forecast.py), and what its prefix cache may hold (prefix.py). The picker chooses among replicas, a placement
+sends to the one chosen through its pool, and the finished request teaches it (placement.py's `Lesson`).
+"""
+from __future__ import annotations
+
+from ..upstream.pool import Pool
+from .forecast import Forecast
+from .health import Health
+from .prefix import Index
+
+
+class Replica:
+    __slots__ = ("pool", "label", "in_flight", "forecast", "prefixes", "health")
+
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+        self.label = pool.label  # (the `upstream` label of its metrics, records and spans)
+        self.in_flight = 0  # requests on it now (the picker weighs the least busy)
+        self.forecast = Forecast()
+        self.prefixes = Index()  # the prompts sent to it, as its prefix cache may hold them
+        self.health = Health()  # (the router gives it the routes file's policy)

@@ -1,0 +1,351 @@
+"""The per-request timing record and the phase split computed from it.
+
+Instants are monotonic integer nanoseconds (`*_ns`, from `time.monotonic_ns`); durations are float
+seconds (`*_s`). The relay only stores instants and counts; `split()` turns them into durations
+exactly once, when the request ends, whatever the ending. Definitions (docs/definitions.md quotes them):
+
+- ttft = first content chunk of any choice - request received by the proxy.
+- Each choice (`choices[].index`) is its own sequence. Per choice: decode tokens = the tokens in
+  its content chunks after its first one; decode tok/s = those tokens / (its last content chunk -
+  its first); inter-token latency = gap between its consecutive content chunks / tokens in the
+  later chunk. The request's decode tok/s is the mean over its choices. Hidden reasoning tokens
+  (reported in usage, never streamed) are not in any chunk, so never in decode.
+- phases, which sum to the end-to-end duration:
+  client    = request received -> request body fully read (the client's upload), plus, for a slow
+              reader, the time after the upstream's end the relay waited on it (its write buffer full)
+  proxy     = (body read -> upstream request issued) + (first content chunk read -> handed to
+              the server's send) + (upstream stream ended -> last byte handed to the server's send,
+              less the client's part of it)
+  wait      = the proxy's own waits: for a slot under --max-in-flight (--admission-queue-s: its
+              tenant over its share) and for a free upstream connection (its pool full:
+              --max-connections, --pool-timeout); queues inside the proxy, never network, never
+              the engine's `queue`
+  failover  = the time lost on attempts abandoned for another replica (a connect error, a 5xx or 429,
+              no first token by the route's deadline): from the first attempt's issue to the last's
+  network   = DNS + TCP + (CONNECT through an egress proxy) + TLS + request upload + one RTT
+  tokenize  = the proxy's tokenizer CPU time for this prompt, standing for the server's own
+  reasoning = hidden reasoning tokens / the request's own decode rate (an estimate)
+  prefill   = ttft - all of the above (the server's queue + prefill)
+  decode    = upstream stream ended - first content chunk handed on (decode plus the closing chunks)
+  Non-streaming responses have no first chunk: their server time is the phase `server`.
+  wait, network, tokenize and reasoning are capped so that prefill is never negative and the sum stays
+  exact. Instants are taken where the bytes are read: the request's first byte and its body's last
+  in the server protocol (server.py), each upstream piece in the upstream protocol (connection.py),
+  never when a task wakes, so time the event loop spent on other requests is the proxy's own.
+  What none of them can see: a connection waiting in the kernel's accept queue, and bytes waiting
+  in a socket buffer while the loop is busy. When the engine reports its own timings, `prefill` becomes the engine's prompt
+  processing time, `load` its model load (Ollama) and the rest of it `queue`; `server` splits into
+  queue, load, prefill and decode.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ..errors import Outcome
+from ..wire.engine import EngineTimings, refine
+
+now_ns = time.monotonic_ns
+# What the server's protocol (server.py) stamps where the bytes are read, for the relay, in the ASGI
+# scope: scope["extensions"][STAMPS] = {"first_byte_ns", "body_end_ns" (0 until read), "blocked":
+# [(paused_ns, resumed_ns), ...] and "paused_ns" (0 unless now) when the client's connection stopped
+# taking bytes (its write buffer over the high-water mark: a slow reader) and took them again,
+# "writer": the body writer of the relay's fast way (pump.py), "lost": the callbacks the protocol calls
+# when the client's connection closes (the relay's, while its request runs)}; monotonic instants. Here, below both.
+STAMPS = "llmproxy.stamps"
+
+NS = 1_000_000_000
+Endpoint = Literal["chat", "completions", "embeddings", "responses", "responses_other", "messages", "messages_other", "generate_content",
+                   "gemini_other", "ollama_chat", "ollama_generate", "ollama_embed", "ollama_other", "other"]
+Unmeasured = Literal["", "event_too_large", "undecodable", "client_backpressure"]
+Phase = Literal["client", "proxy", "failover", "wait", "network", "tokenize", "queue", "load", "reasoning", "prefill", "decode", "server"]
+TokenSource = Literal["usage", "engine", "tokenizer"]
+PHASES: tuple[Phase, ...] = ("client", "proxy", "failover", "wait", "network", "tokenize", "queue", "load", "reasoning", "prefill", "decode", "server")
+
+
+def _s(start_ns: int | None, end_ns: int | None) -> float | None:
+    if start_ns is None or end_ns is None:
+        return None
+    return max(0, end_ns - start_ns) / NS
+
+
+@dataclass(slots=True)
+class RequestTiming:
+    """Everything measured about one request. Filled by the relay, read once by split()."""
+
+    received_ns: int
+    api: str = "other"  # the wire API (proxy/apis/): openai, azure, anthropic, other
+    endpoint: Endpoint = "other"
+    model: str = "unknown"
+    stream: bool = False
+    tenant: str = "unknown"  # who sent it (tenants.py): the application or team
+    user: str = ""  # its end user ("": none named); records and spans only, never a metric label
+    body_end_ns: int | None = None  # the client's request body fully read
+    queued_ns: int | None = None  # it began waiting for a slot under --max-in-flight (admission.py; None: admitted at once)
+    admitted_ns: int | None = None  # ... and was admitted, or gave up (--admission-queue-s)
+    # upstream exchange (stamped by upstream.py at each step; those of the last attempt)
+    issued_ns: int | None = None
+    first_issued_ns: int | None = None  # the first attempt's issue, when it was abandoned for another replica
+    attempts: list[Any] = field(default_factory=list)  # the abandoned attempts (retry.Attempt), in order
+    pool_full: bool = False  # the pool had no free slot when the request was issued (it waited, or was refused)
+    first_event_ns: int | None = None
+    dns_start_ns: int | None = None
+    dns_end_ns: int | None = None
+    tcp_start_ns: int | None = None
+    tcp_end_ns: int | None = None
+    tls_start_ns: int | None = None
+    tls_end_ns: int | None = None
+    proxy_start_ns: int | None = None  # the CONNECT exchange with an egress proxy (egress.py)
+    proxy_end_ns: int | None = None
+    send_start_ns: int | None = None  # request headers start going out
+    sent_ns: int | None = None  # request body sent (the upload is network time)
+    headers_ns: int | None = None
+    first_sent_ns: int | None = None  # the first content chunk handed to the server's send
+    rtt_s: float | None = None  # kernel smoothed RTT of the connection used (TCP_INFO)
+    # body: one entry per (content chunk, choice with text in it)
+    content_ns: list[int] = field(default_factory=list)
+    content_choice: list[int] = field(default_factory=list)
+    chunk_text: list[str] = field(default_factory=list)  # kept in memory only, for token counts
+    reasoning_streamed: bool = False  # visible reasoning deltas were streamed
+    hidden_reasoning_blocks: int = 0  # blocks of reasoning generated but never streamed (Anthropic redacted_thinking)
+    upstream_end_ns: int | None = None
+    response_end_ns: int | None = None
+    # tokens
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_prompt_tokens: int | None = None
+    prefix_predicted_tokens: int | None = None  # of those, what the replica's prefix index predicted (prefix.py; None: not checked)
+    prefix_stray: bool = False  # a conversation this proxy had not seen there, and the replica had none of it (prefix.py)
+    reasoning_tokens: int | None = None  # as usage reports them (part of completion_tokens)
+    prompt_uncounted_parts: int = 0  # prompt parts the tokenizer cannot count (images, audio, files)
+    token_source: TokenSource = "usage"
+    tokenize_prompt_s: float | None = None
+    tokenize_looked_up_tokens: int = 0  # of the prompt's tokens, those the proxy's cache knew (their time: at the measured rate)
+    tokenize_completion_s: float | None = None
+    chunk_tokens: list[float] | None = None  # tokens per content entry, filled at finish (None: 1 each)
+    # result
+    status_code: int = 0
+    outcome: Outcome = "ok"
+    error: str = ""
+    response_model: str = ""
+    malformed_chunks: int = 0
+    unmeasured: Unmeasured = ""  # why the response was relayed but not (wholly) read: an event past the limit, undecodable bytes
+    engine: EngineTimings | None = None  # the upstream engine's own timings, when it reports them
+    captured_input: str = ""  # prompt text, only with --capture-content (spans only)
+    captured_output: str = ""  # completion text, only with --capture-content (spans only)
+    in_flight: bool = False  # counted in llmproxy_requests_in_flight (refused requests never are)
+    in_flight_at_decode: int | None = None  # requests in flight in this worker when its first content chunk came
+    # A slow client: when its connection stopped taking bytes and took them again (the server's
+    # protocol stamps them); and how long the upstream's reading was paused for it (read-ahead full).
+    client_blocked: list[tuple[int, int]] = field(default_factory=list)
+    held_s: float = 0.0
+
+    @property
+    def reused(self) -> bool | None:
+        """True when the request went out on a pooled connection (no connect event fired)."""
+        if self.first_event_ns is None:
+            return None
+        return self.tcp_start_ns is None
+
+    def reset_upstream(self) -> None:
+        """Forget an upstream attempt (the proxy retries without stream_options, or on another replica)."""
+        self.issued_ns = self.first_event_ns = self.headers_ns = self.send_start_ns = self.sent_ns = None
+        self.dns_start_ns = self.dns_end_ns = self.tcp_start_ns = self.tcp_end_ns = self.tls_start_ns = self.tls_end_ns = None
+        self.proxy_start_ns = self.proxy_end_ns = None
+        self.rtt_s = None
+
+    @property
+    def hidden_reasoning_tokens(self) -> int:
+        """Reasoning tokens usage reports that the stream never showed (o-series, gpt-5)."""
+        return 0 if self.reasoning_streamed or not self.reasoning_tokens else self.reasoning_tokens
+
+    @property
+    def visible_tokens(self) -> int | None:
+        """Completion tokens that were streamed (usage's count minus hidden reasoning)."""
+        if self.completion_tokens is None:
+            return None
+        return max(0, self.completion_tokens - self.hidden_reasoning_tokens)
+
+
+@dataclass(slots=True)
+class Breakdown:
+    """Durations in seconds derived from one RequestTiming."""
+
+    e2e_s: float
+    ttft_s: float | None
+    decode_s: float | None
+    decode_tokens_per_second: float | None
+    prefill_tokens_per_second: float | None
+    phases: dict[str, float]
+    connect: dict[str, float]  # dns/tcp/proxy/tls, new connections only
+    pool_wait_s: float | None
+    inter_chunk_s: list[float]
+    inter_token_s: list[float]
+    choice_decode_tps: list[float] = field(default_factory=list)  # per choice with a decode window
+    choices: int = 0  # choices that streamed content
+    proxy_before_s: float = 0.0  # the proxy phase, split: before the upstream request was issued,
+    proxy_first_s: float = 0.0  # relaying the first content chunk (on the client's TTFT),
+    proxy_after_s: float = 0.0  # and after the upstream stream ended
+    client_blocked_s: float = 0.0  # the relay waited on a slow client with bytes to give it
+    client_after_s: float = 0.0  # of which after the upstream's end: in the `client` phase, not `proxy`
+
+    @property
+    def dominant(self) -> str:
+        return max(self.phases, key=self.phases.__getitem__) if self.phases else "none"
+
+
+def _sequences(t: RequestTiming) -> dict[int, tuple[list[int], list[float]]]:
+    """Content instants and token counts per choice."""
+    tokens = t.chunk_tokens if t.chunk_tokens is not None and len(t.chunk_tokens) == len(t.content_ns) else [1.0] * len(t.content_ns)
+    if not t.content_choice or len(set(t.content_choice)) == 1:
+        return {t.content_choice[0] if t.content_choice else 0: (t.content_ns, tokens)}
+    seqs: dict[int, tuple[list[int], list[float]]] = {}
+    for instant, choice, count in zip(t.content_ns, t.content_choice, tokens):
+        instants, counts = seqs.setdefault(choice, ([], []))
+        instants.append(instant)
+        counts.append(count)
+    return seqs
+
+
+def _carve(phases: dict[str, float], budget: float, failover: float, wait: float, network: float, tokenize: float) -> float:
+    """The phases before the server's, each capped at what `budget` (the upstream's share of the wait)
+    has left, in this order, so that the server's part is never negative; what is left for it.
+    (`failover` only when an attempt was abandoned.)"""
+    for name, seconds in (("failover", failover), ("wait", wait), ("network", network), ("tokenize", tokenize)):
+        if name == "failover" and not seconds:
+            continue
+        seconds = min(seconds, budget)
+        phases[name] = seconds
+        budget -= seconds
+    return budget
+
+
+def split(t: RequestTiming) -> Breakdown:
+    """Durations and the phase split; pure arithmetic on the record (unit-tested exactly)."""
+    end_ns = t.response_end_ns if t.response_end_ns is not None else now_ns()
+    e2e = max(0, end_ns - t.received_ns) / NS
+
+    connect: dict[str, float] = {}
+    dns = _s(t.dns_start_ns, t.dns_end_ns)
+    tcp_from = t.dns_end_ns if t.dns_end_ns is not None else t.tcp_start_ns
+    tcp = _s(tcp_from, t.tcp_end_ns)
+    tls = _s(t.tls_start_ns, t.tls_end_ns)
+    tunnel = _s(t.proxy_start_ns, t.proxy_end_ns)
+    for name, value in (("dns", dns), ("tcp", tcp), ("proxy", tunnel), ("tls", tls)):
+        if value is not None:
+            connect[name] = value
+    pool_wait = _s(t.issued_ns, t.first_event_ns)
+    rtt = t.rtt_s if t.rtt_s is not None else (tcp or 0.0)
+    upload = _s(t.send_start_ns, t.sent_ns) or 0.0
+    wait = pool_wait or 0.0
+    network = sum(connect.values()) + upload + (rtt if t.headers_ns is not None else 0.0)
+
+    gaps: list[float] = []
+    itl: list[float] = []
+    rates: list[float] = []
+    sequences = _sequences(t) if t.content_ns else {}
+    for instants, counts in sequences.values():
+        seq_gaps = [(b - a) / NS for a, b in zip(instants, instants[1:])]
+        gaps += seq_gaps
+        if t.chunk_tokens is None:  # one token per chunk: the gaps themselves
+            itl += seq_gaps
+        else:
+            itl += [gap / n if n > 0 else gap for gap, n in zip(seq_gaps, counts[1:])]
+        window = (instants[-1] - instants[0]) / NS
+        after = sum(counts[1:])
+        if window > 0 and after > 0:
+            rates.append(after / window)
+    first = t.content_ns[0] if t.content_ns else None
+    last = max(t.content_ns) if t.content_ns else None
+    ttft = _s(t.received_ns, first)
+    decode = _s(first, last)
+    decode_tps = sum(rates) / len(rates) if rates else None
+
+    body_end = t.body_end_ns if t.body_end_ns is not None else t.received_ns
+    client = _s(t.received_ns, body_end) or 0.0
+    first_issued = t.first_issued_ns if t.first_issued_ns is not None else t.issued_ns
+    proxy_before = _s(body_end, first_issued) or 0.0
+    # The admission wait, where the client had nothing left to send (its part before that is the upload's).
+    admission = 0.0
+    if t.queued_ns is not None:
+        admission = _s(max(t.queued_ns, body_end), t.admitted_ns) or 0.0
+    if first_issued is not None:
+        admission = min(admission, proxy_before)
+        proxy_before -= admission
+    wait += admission
+    failover = _s(first_issued, t.issued_ns) or 0.0 if t.first_issued_ns is not None else 0.0
+    upstream_end = t.upstream_end_ns if t.upstream_end_ns is not None else end_ns
+    tail_from = max(upstream_end, body_end)
+    proxy_after = max(0, end_ns - tail_from) / NS
+    # A slow reader: after the upstream's end the relay was still handing it what it had read
+    # ahead; the time it waited on the client then is the client's own, not the proxy's.
+    blocked = sum(max(0, min(b, end_ns) - max(a, t.received_ns)) for a, b in t.client_blocked) / NS
+    client_after = min(proxy_after, sum(max(0, min(b, end_ns) - max(a, tail_from)) for a, b in t.client_blocked) / NS)
+    proxy_after -= client_after
+    client += client_after
+    phases = {"client": client, "proxy": proxy_before + proxy_after}
+    proxy_first = 0.0
+    tokenize = t.tokenize_prompt_s or 0.0
+    if t.issued_ns is None:  # refused or failed before anything went upstream: the proxy's own time
+        phases["proxy"] = max(0.0, e2e - client)
+        if admission:  # (of it, the wait for a slot)
+            phases["wait"] = min(admission, phases["proxy"])
+            phases["proxy"] -= phases["wait"]
+    elif ttft is not None and first is not None:
+        rest = _carve(phases, max(0.0, ttft - client - proxy_before), failover, wait, network, tokenize)
+        hidden = t.hidden_reasoning_tokens
+        if hidden and decode_tps:
+            phases["reasoning"] = min(rest, hidden / decode_tps)
+            rest -= phases["reasoning"]
+        phases["prefill"] = rest
+        decode_window = max(0, upstream_end - first) / NS
+        proxy_first = min(decode_window, _s(first, t.first_sent_ns) or 0.0)  # (the end read with it: the rest is after)
+        phases["proxy"] += proxy_first
+        phases["decode"] = decode_window - proxy_first
+    else:
+        phases["server"] = _carve(phases, max(0.0, e2e - client - phases["proxy"]), failover, wait, network, tokenize)
+    phases = refine(phases, t.engine)
+    prefill_s = phases.get("prefill")
+    uncached = t.prompt_tokens - (t.cached_prompt_tokens or 0) if t.prompt_tokens else None
+    prefill_tps = uncached / prefill_s if uncached and uncached > 0 and prefill_s else None
+    return Breakdown(
+        e2e_s=e2e,
+        ttft_s=ttft,
+        decode_s=decode,
+        decode_tokens_per_second=decode_tps,
+        prefill_tokens_per_second=prefill_tps,
+        phases=phases,
+        connect=connect,
+        pool_wait_s=pool_wait,
+        inter_chunk_s=gaps,
+        inter_token_s=itl,
+        choice_decode_tps=rates,
+        choices=len(sequences),
+        proxy_before_s=proxy_before,
+        proxy_first_s=proxy_first,
+        proxy_after_s=proxy_after,
+        client_blocked_s=blocked,
+        client_after_s=client_after,
+    )
+
+
+def failover_shares(t: RequestTiming, b: Breakdown | None) -> list[tuple[Any, float]]:
+    """The phase failover shared among the abandoned attempts (retry.Attempt) by how long each ran: each
+    abandoned replica owns its part, never the replica that then served (its own TTFT excludes it)."""
+    seconds = b.phases.get("failover", 0.0) if b is not None else 0.0
+    total = sum(a.end_ns - a.start_ns for a in t.attempts)
+    return [(a, seconds * (a.end_ns - a.start_ns) / total if total else seconds / len(t.attempts)) for a in t.attempts]
+
+
+def note_slow_client(t: RequestTiming, stamps: dict[str, Any], response: Any) -> None:
+    """When the client did not take bytes as fast as they came (the server protocol's stamps), and
+    whether the upstream's reading was held back for it (`response`: the upstream connection, or
+    None): its later stamps may be the client's pace, so the request is marked and kept out of the
+    decode figures."""
+    t.client_blocked = list(stamps.get("blocked", ()))
+    if stamps.get("paused_ns"):  # still paused at the end (the client left, or was cut)
+        t.client_blocked.append((stamps["paused_ns"], t.response_end_ns or now_ns()))
+    if response is not None and response.held_back:
+        t.held_s = response.held_s
+        t.unmeasured = t.unmeasured or "client_backpressure"

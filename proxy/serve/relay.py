@@ -1,0 +1,387 @@
+"""The relay: one request in, an upstream exchange (on a route with retries, one per replica tried
+until one answers: placement.py), bytes out as they arrive. The hot path.
+
+API-agnostic: the request path resolves to a route of one dialect (`proxy/apis/`), which reads
+the request and says what each event means. Each attempt's response goes out through a `Reply`
+(reply.py), whose pump (pump.py) timestamps each upstream read, forwards it untouched, then hands
+a copy to the response's `Reader` (reader.py: decode, frame, note content chunks). It builds no
+metric, span or log: `Telemetry.finish` does that once, from the request's context, in `run`'s one
+`finally`. Only when the proxy injected usage (or strips engine fields) does it forward per SSE
+event, to drop what the client did not ask for; it then asks the upstream for identity encoding,
+and if the upstream compresses anyway, the client gets the decoded stream. A stream or body that
+cannot be decoded or framed (an event past `--max-event-bytes`) is relayed as it comes and counted
+as unmeasured.
+
+Attempts: a stream on a route with a first-token deadline is held (nothing reaches the client
+before its first content token) only while another attempt could follow it: a replica left to try
+and retry budget to spend. The deadline is the route's, or more for a prompt its replica is
+expected to take longer over (forecast.py). When it passes, the attempt is abandoned if a retry is
+allowed then; if not, what was held goes out at once and the rest as it comes. The first-token
+limit (`first_token_timeout`) bounds the request across its attempts.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Callable, Protocol
+
+from starlette.types import Receive, Scope, Send
+
+from .. import apis
+from ..config import Settings
+from ..wire.engine import from_llamacpp, from_vllm
+from ..errors import ModelNotRouted, ProxyError, ProxyOverloaded, TransportError, UpstreamTimeout, map_transport_error
+from ..wire import prompt as shape
+from ..fleet.health import retry_after_s
+from ..fleet.placement import Placement
+from ..fleet.retry import FailOver
+from .reply import Reply, content_length
+from .request import ClientGone, check_request, filter_headers, read_body
+from ..measure.context import RequestContext
+from ..wire.text import MODEL_CHARS, storable
+from ..measure.timing import STAMPS, RequestTiming, note_slow_client, now_ns
+
+if TYPE_CHECKING:
+    from .admission import Admission
+    from ..upstream.connection import Connection
+    from ..measure.offload import Offload
+    from ..fleet.routes import Router
+    from ..measure.telemetry import Telemetry
+    from .tenants import Tenants
+    from ..fleet.replica import Replica
+
+log = logging.getLogger("llmproxy.relay")
+
+ERROR_BODY_LIMIT = 64 * 1024  # an upstream 400 read whole, to see whether it rejects stream_options
+
+
+class AppView(Protocol):
+    """What an Exchange needs from the application."""
+
+    settings: Settings
+    telemetry: Telemetry
+    router: Router
+    offload: Offload
+    client_keys: tuple[str, ...]
+    admission: Admission
+    tenants: Tenants
+
+    def upstream_headers(self, headers: list[tuple[bytes, bytes]], length: int, upstream: Replica, dialect: apis.Dialect,
+                         identity: bool) -> list[tuple[bytes, bytes]]: ...
+
+
+class Exchange:
+    """One proxied request. Created per request; `run` is the whole ASGI response."""
+
+    def __init__(self, app: AppView, scope: Scope, receive: Receive, send: Send) -> None:
+        self.app, self.scope, self.receive, self.send = app, scope, receive, send
+        # When the protocol read the request's first byte (server.py); another ASGI server: now.
+        self.stamps: dict[str, Any] = scope.get("extensions", {}).get(STAMPS) or {"first_byte_ns": now_ns(), "body_end_ns": 0}
+        received = self.stamps["first_byte_ns"]
+        self.t = RequestTiming(received_ns=received)
+        self.ctx = RequestContext(self.t, time.time_ns() - now_ns())  # the wall clock less the monotonic one
+        self.relaying = False
+        self.client_gone = False
+        self.started = False  # http.response.start went to the client
+        self.reply: Reply | None = None  # the attempt's response on its way to the client (reply.py)
+        self.response: Connection | None = None
+        self.place: Placement | None = None  # which replica of its route it is on (made once the body is parsed)
+        self.task: asyncio.Task[Any] | None = None
+        self.failing_over = ""  # why the deadline abandons the attempt ("": it does not)
+        self.holding = False  # this attempt's stream is held for its first token (another attempt may follow)
+        self.first_token_by: float | None = None  # the first-token limit of the request, across its attempts (loop time)
+        self.route = apis.OTHER  # what the path means: its API (dialect) and endpoint
+        self.injected = False  # we asked for include_usage: drop the usage chunk, strip usage:null
+
+    async def run(self) -> None:
+        t, app = self.t, self.app
+        task = self.task = asyncio.current_task()
+        assert task is not None
+        watcher: asyncio.Task[None] | None = None
+        lost: set[Callable[[], None]] | None = self.stamps.get("lost")
+        admitted, admission = False, app.admission
+        try:
+            # Who sent it, before anything can refuse it: a refused request is its tenant's too.
+            t.tenant = app.tenants.tenant(self.scope["headers"], self.scope.get("query_string", b""))
+            share = app.tenants.label(t.tenant)  # (whose share of --max-in-flight: admission.py)
+            if not admission.try_enter(share):  # over its share at the cap: a 503 before the body is read, or a wait
+                t.queued_ns = now_ns() if admission.queue_s else None
+                try:
+                    await admission.wait(share)
+                finally:
+                    t.admitted_ns = now_ns()
+            admitted = True
+            check_request(self.scope, app.client_keys)
+            body = await read_body(self.scope, self.receive, app.settings, complete=bool(self.stamps["body_end_ns"]))
+            t.body_end_ns = self.stamps["body_end_ns"] or now_ns()  # its last byte read off the socket
+            if lost is not None:  # the server's protocol calls these when the client's connection closes (server.py)
+                lost.add(self._client_lost)
+            else:  # (another ASGI server: a task waits on `receive` for http.disconnect)
+                watcher = asyncio.create_task(self._watch())
+            await self._relay(body)
+        except ClientGone:
+            t.outcome, t.status_code = "client_disconnect", t.status_code or 499
+        except asyncio.CancelledError:
+            if not self.client_gone:
+                t.outcome, t.error = "proxy_error", t.error or "cancelled"  # the server is shutting down
+                raise
+            task.uncancel()
+            t.outcome, t.status_code = "client_disconnect", t.status_code or 499
+        except ProxyError as error:
+            await self._fail(error)
+        except MemoryError:
+            await self._fail(ProxyOverloaded("memory", "out of memory"))
+        except Exception:  # a bug of ours: the client gets a clean 500, the request is still finished
+            log.exception("unexpected error while relaying")
+            await self._fail(ProxyError("internal proxy error"))
+        finally:
+            if admitted:
+                admission.leave(share)
+            self.relaying = False
+            if watcher is not None:
+                watcher.cancel()
+            elif lost is not None:
+                lost.discard(self._client_lost)
+            if t.response_end_ns is None:
+                t.response_end_ns = now_ns()
+            note_slow_client(t, self.stamps, self.response)
+            if self.reply is not None and self.reply.pump is not None:
+                self.reply.pump.discard()  # (a response still held when the request ended: its bytes leave the read-ahead)
+            if self.place is not None and self.place.upstream is not None:
+                self.place.finish()
+                if self.response is not None:
+                    self.place.upstream.pool.release(self.response)  # mid-body: aborts the connection (so vLLM stops) and frees its read-ahead
+            app.telemetry.finish(self.ctx)
+            self._let_go()
+
+    def _let_go(self) -> None:
+        """The request is over. What it built refers back to itself: the reply's callbacks are this
+        exchange's methods, the pump's the reply's, and the body writer, kept in the scope of the
+        server's cycle, holds that cycle. Those links are cut here, so that reference counting frees
+        it all at once; left to the garbage collector, 40-odd objects a request were what its
+        young collections walked (their CPU, and their pauses on every stream)."""
+        self._drop_reply()
+        self.stamps.pop("writer", None)
+
+    def _drop_reply(self) -> None:
+        """The attempt's reply and response let go of (its pump and the reply refer to each other)."""
+        if self.reply is not None:
+            self.reply.pump = None
+        self.response = self.reply = None
+
+    async def _watch(self) -> None:
+        while True:
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                self._client_lost()
+                return
+
+    def _client_lost(self) -> None:
+        """The client's connection closed: the request is cancelled, unless it was done already. (The openai
+        client may close the connection once it read [DONE], before the upstream's end of stream is relayed:
+        that request finished normally.)"""
+        if self.relaying and not (self.reply is not None and self.reply.reader is not None and self.reply.reader.done):
+            self.client_gone = True
+            if self.task is not None:
+                self.task.cancel()
+
+    async def _relay(self, body: bytes) -> None:
+        t, app, ctx = self.t, self.app, self.ctx
+        route = self.route = apis.resolve(self.scope["path"], self.scope.get("query_string", b""))
+        dialect = route.dialect
+        t.api, t.endpoint = dialect.name, route.endpoint  # type: ignore[assignment]
+        parsed, ctx.prompt_parts = await app.offload.request(route, self.scope["path"], body)
+        original = body
+        if parsed is not None:
+            model, t.stream = dialect.model_and_stream(route.endpoint, parsed)
+            t.model = storable(model or route.model or "unknown", MODEL_CHARS)  # (sent on unchanged; measured storable)
+        elif route.model:
+            t.model = storable(route.model, MODEL_CHARS)
+        if route.stream is not None:  # the path says (Gemini)
+            t.stream = route.stream
+        t.user = app.tenants.user(self.scope["headers"], parsed)
+        partial = parsed is not None and parsed.get("_partial")  # (a big body's summary, made in the worker: offload.py)
+        inline = (parsed["_media"] if partial else shape.media(shape.sequence(parsed))) if parsed is not None else (0, 0)
+        rule, prompt = app.router.route(t.model), shape.tokens(len(body), inline)
+        chain = None
+        if rule is not None and parsed is not None and app.router.indexes(rule):
+            chain = parsed.get("_chain") if partial else shape.chain(parsed, prompt)
+        upstream = app.router.choose(rule, prompt, chain=chain) if rule is not None else None
+        if rule is None or upstream is None:
+            raise ModelNotRouted(f"the model `{t.model}` is not routed by this proxy (see its routing file)")
+        rule.budget.request()
+        self.place = Placement(app.router, app.telemetry, ctx, rule, prompt, chain)
+        self.place.use(upstream)
+        if parsed is not None:
+            ctx.request, ctx.request_size = (None if partial else parsed), len(body)
+        app.telemetry.start(ctx, self.scope["headers"])
+        self.relaying = True
+        await self._exchange(parsed, original)
+        self.relaying = False  # the response is complete: a client closing now is not a disconnect
+        reply = self.reply
+        if reply is not None and reply.json_body:
+            ctx.body = info = await app.offload.response(dialect.name, reply.json_body, reply.body_encoding)
+            reply.json_body = None
+            if info.undecodable:
+                t.unmeasured = "undecodable"
+            engine = info.engine or from_llamacpp(info.timings) or from_vllm(info.metrics)
+            t.engine = engine or t.engine
+        if t.stream and t.engine is not None and t.engine.predicted_tokens is not None and t.engine.source == "llama.cpp":
+            upstream.pool.reports_counts = True
+
+    @property
+    def upstream(self) -> Replica | None:
+        """The replica the request is on now."""
+        return self.place.upstream if self.place is not None else None
+
+    async def _exchange(self, parsed: dict[str, Any] | None, original: bytes) -> None:
+        """Attempts, each on another replica of the route, until one is not abandoned (retry.py)."""
+        while True:
+            assert self.place is not None
+            body, self.injected = self.place.body(parsed, original, self.route, self.app.settings.inject_usage)
+            # Where the proxy may rewrite a stream, it asks for one it can rewrite.
+            headers = self.app.upstream_headers(self.scope["headers"], len(body), self.place.upstream, self.route.dialect,  # type: ignore[arg-type]
+                                                self.injected or self.app.settings.strip_engine_fields)
+            if self.ctx.spans is not None:
+                headers.append((b"traceparent", self.ctx.spans.traceparent()))
+            try:
+                await self._attempt(body, original, headers)
+                return
+            except FailOver as why:
+                if self.reply is not None and self.reply.pump is not None:
+                    self.reply.pump.discard()
+                self.place.fail_over(why.reason, self.response)
+                self._drop_reply()
+                self.failing_over = ""
+
+    def _may_retry(self) -> bool:
+        """Another attempt: nothing reached the client, which is still there, and the route gives one (placement.py)."""
+        return not self.started and not self.client_gone and self.place is not None and self.place.may_retry()
+
+    def _on_deadline(self) -> None:
+        """This attempt's first-token deadline, no content yet: abandon it if another attempt is allowed now;
+        if not, nothing is held any longer (what was goes out now, the rest as it comes)."""
+        if self.t.content_ns or self.task is None:
+            return
+        if self._may_retry():
+            self.failing_over = "deadline"
+            self.task.cancel()
+        else:
+            self.holding = False
+            if self.reply is not None and self.reply.pump is not None:
+                self.reply.pump.unhold()
+
+    async def _attempt(self, body: bytes, original: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+        t, upstream, place = self.t, self.upstream, self.place
+        assert upstream is not None and place is not None
+        loop = asyncio.get_running_loop()
+        if self.first_token_by is None:
+            self.first_token_by = loop.time() + upstream.pool.first_token_timeout
+        limit = upstream.pool.first_token_timeout
+        query = self.route.dialect.upstream_query(self.scope.get("query_string", b""), upstream.pool.key is not None or bool(self.app.client_keys))
+        url = upstream.pool.target(self.scope["path"], query)
+        hold = place.deadline_s() if t.stream else None
+        self.holding = hold is not None and not self.started and place.could_retry()  # held only while a retry could follow
+        deadline = loop.call_later(hold, self._on_deadline) if self.holding and hold is not None else None
+        try:
+            async with asyncio.timeout_at(self.first_token_by) as silence:
+                try:
+                    response = self.response = await upstream.pool.send(self.scope["method"], url, headers, body, t)
+                except TimeoutError:
+                    raise UpstreamTimeout(f"no response from the upstream within {limit} s ({upstream.label})") from None
+                if self.injected and response.status == 400:
+                    retried = await self._unless_options_rejected(response, url, headers, original)
+                    if retried is None:
+                        return
+                    response = retried
+                if response.status >= 500 or response.status == 429:
+                    place.retry_after = retry_after_s(response.headers) if response.status in (429, 503) else None
+                    if self._may_retry():
+                        raise FailOver("status_429" if response.status == 429 else "status_5xx")
+                app = self.app
+                self.reply = Reply(self.ctx, self.route, app.settings, lambda: app.admission.in_flight, self.send, self._start,
+                                   self.stamps.get("writer"), place.first_token, upstream.pool.read_timeout, self.injected)
+                await self.reply.respond(response, silence, self.holding)
+        except asyncio.CancelledError:
+            if not self.failing_over or self.client_gone or self.task is None:
+                raise
+            self.task.uncancel()
+            raise FailOver(self.failing_over) from None
+        except TimeoutError:
+            if t.pool_full and t.first_event_ns is None:  # still waiting for the proxy's own pool: not the upstream's
+                raise ProxyOverloaded("pool", f"all {upstream.pool.limit} connections to {upstream.label} stayed in use for the "
+                                              f"first-token limit, {limit} s") from None
+            if self.reply is not None and self.reply.pump is not None and self.reply.pump.sending:
+                t.outcome, t.error = "client_slow", "client_slow"
+                log.warning("cut a client that stopped reading for over %s s", upstream.pool.read_timeout)
+                return
+            await self._broken(UpstreamTimeout("the upstream sent no first token in time" if not t.content_ns else "the upstream went silent mid-stream"))
+        except TransportError as exc:
+            if self._may_retry():
+                raise FailOver("connect_error" if self.response is None else "broken") from None
+            await self._broken(map_transport_error(exc, upstream.label))
+        finally:
+            if deadline is not None:
+                deadline.cancel()
+
+    async def _broken(self, error: ProxyError) -> None:
+        """The upstream failed: a clean error if nothing was sent yet, else the stream breaks as it would directly."""
+        self.t.upstream_end_ns = now_ns()
+        if not self.started:
+            raise error
+        t = self.t
+        t.outcome, t.error = error.outcome, f"mid_stream:{error.code}"
+        log.warning("upstream stream ended early: %s", error)
+
+    async def _unless_options_rejected(self, response: Connection, url: bytes, headers: list[tuple[bytes, bytes]],
+                                       original: bytes) -> Connection | None:
+        """An upstream that rejects stream_options (older Azure api-versions) gets the client's own
+        request again, and is not asked again; any other 400 goes to the client as it came."""
+        t = self.t
+        raw = b""
+        while part := await response.read():
+            raw += part
+            if len(raw) > ERROR_BODY_LIMIT:
+                break
+        if b"stream_options" not in raw or len(raw) > ERROR_BODY_LIMIT:
+            await self._start(response.status, content_length(filter_headers(response.headers), raw))
+            await self.send({"type": "http.response.body", "body": raw, "more_body": len(raw) > ERROR_BODY_LIMIT})
+            if len(raw) > ERROR_BODY_LIMIT:  # (the rest as it comes, never read)
+                while part := await response.read():
+                    await self.send({"type": "http.response.body", "body": part, "more_body": True})
+                await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+            t.status_code, t.outcome = response.status, "upstream_error"
+            t.upstream_end_ns = t.response_end_ns = now_ns()
+            return None
+        upstream = self.upstream
+        assert upstream is not None
+        log.warning("the upstream %s rejects stream_options: requests go unchanged from now on", upstream.label)
+        upstream.pool.rejects_stream_options = True
+        self.response = None
+        upstream.pool.release(response)
+        self.injected = False
+        t.reset_upstream()
+        headers = [(k, str(len(original)).encode() if k == b"content-length" else v) for k, v in headers]
+        response = self.response = await upstream.pool.send(self.scope["method"], url, headers, original, t)
+        return response
+
+    async def _start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self.started = True
+        await self.send({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def _fail(self, error: ProxyError) -> None:
+        t = self.t
+        t.outcome, t.status_code, t.error = error.outcome, error.status, error.code
+        if isinstance(error, ProxyOverloaded):
+            t.error = f"{error.code}:{error.reason}"
+        else:  # (shedding load is not worth a log line per request: it is counted)
+            log.warning("%s", error)
+        if self.started or self.client_gone:
+            return
+        body = error.body()
+        await self._start(error.status, [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                         *error.headers()])
+        t.response_end_ns = now_ns()
+        await self.send({"type": "http.response.body", "body": body, "more_body": False})
+

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Sequence
 from .config import add_arguments, build_settings
 
 if TYPE_CHECKING:
-    from .records import Backend
     from .measure.slo import Objective
+    from .records import Backend
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -93,8 +93,8 @@ def explain(args: argparse.Namespace) -> int:
     from .answers import budget
     from .answers.explain import explain as analyse
     from .answers.explain import gather, render, to_json
-    from .records.sql import Window
     from .config import default_records_path
+    from .records.sql import Window
 
     paths = args.db or sorted(glob.glob(default_records_path(0).replace("records-0.sqlite", "records-*.sqlite")))
     if not paths:

@@ -323,8 +323,8 @@ def run_demo(repeats: int = 3, output_tokens: int = 100) -> int:
     print_apis(records[cases + reasoning :], output_tokens)
     show_agents()
     from .answers.explain import explain, gather, render
-    from .records import open_backend
     from .measure.slo import load as load_objectives
+    from .records import open_backend
 
     objectives = load_objectives(slo_path)
     store = open_backend(records_db)

@@ -77,7 +77,7 @@ def test_real_traffic_through_the_simulator_at_two_prefill_rates(tmp_path):
     path = tmp_path / "records.sqlite"
     proxy = ProxyServer(f"{sim.url}/v1", records_db=str(path))
     try:
-        for model, rate in (("fast", 5000.0), ("slow", 1000.0)):
+        for model, rate in (("fast", 10000.0), ("slow", 2500.0)):
             sim.configure(prefill_tps=rate, decode_tps=200.0)
             for k, tokens in enumerate((200, 800, 1600, 2400, 3200, 200, 800, 1600, 2400, 3200)):
                 body = {"model": model, "messages": [{"role": "user", "content": " the" * tokens}], "max_tokens": 10, "stream": True}
@@ -95,8 +95,8 @@ def test_real_traffic_through_the_simulator_at_two_prefill_rates(tmp_path):
         proxy.stop()
         sim.proc.stop()
     upstream = proxy.settings.upstream_label
-    assert report[f"fast @ {upstream}"]["prefill"]["tokens_per_second"] == pytest.approx(5000, rel=0.10)
-    assert report[f"slow @ {upstream}"]["prefill"]["tokens_per_second"] == pytest.approx(1000, rel=0.10)
+    assert report[f"fast @ {upstream}"]["prefill"]["tokens_per_second"] == pytest.approx(10000, rel=0.10)
+    assert report[f"slow @ {upstream}"]["prefill"]["tokens_per_second"] == pytest.approx(2500, rel=0.10)
     assert report[f"slow @ {upstream}"]["apis"] == {"anthropic messages": 5, "openai chat": 5}
     assert "apis: anthropic messages 5, openai chat 5" in out.stdout
     cold = report[f"laptop @ {upstream}"]["load"]

@@ -181,3 +181,11 @@ def test_a_requests_series_are_as_bounded_as_its_label_sets():
             t.status_code, t.tenant, t.model = 200, tenant, f"m{i}"
             metrics.observe(t, split(t), UP)
     assert len(metrics._series) <= 32 + 32 // 16 + 1
+
+
+@pytest.mark.e2e
+def test_an_idle_proxy_is_scraped_with_nothing_in_flight_not_absent(proxy):
+    """Before its first request the proxy exposes its in-flight gauge at 0: `LLMProxyMetricsAbsent`
+    (absent(llmproxy_requests_in_flight)) is for a proxy nobody scrapes, never one nobody has called yet."""
+    text = httpx.get(f"{proxy.url}/metrics").text
+    assert f'llmproxy_requests_in_flight{{upstream="{proxy.settings.upstream_label}"}} 0.0' in text, text[:2000]

@@ -14,8 +14,8 @@ from __future__ import annotations
 import collections
 from typing import Any, Iterable
 
-from ..records.aggregate import Aggregate, Judged
 from ..measure.slo import Objective
+from ..records.aggregate import Aggregate, Judged
 
 MIN_LEVELS = 3
 MIN_PER_LEVEL = 3

@@ -28,12 +28,12 @@ import tempfile
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable
 
-from . import budget
+from ..measure.slo import Objective
 from ..records import Backend, open_backend
+from ..records import columns as C
 from ..records.aggregate import Aggregate, read
 from ..records.sql import PAIRS, SAMPLE, Window
-from ..records import columns as C
-from ..measure.slo import Objective
+from . import budget
 
 PHASES = ("client", "failover", "wait", "network", "tokenize", "queue", "load", "prefill", "reasoning", "decode", "server", "proxy")
 BY = ("model", "upstream")

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from . import budget
+from ..measure.slo import Objective
 from ..records import Backend
 from ..records import columns as C
 from ..records.aggregate import Aggregate, read
 from ..records.sql import Window
-from ..measure.slo import Objective
+from . import budget
 
 BY = ("tenant",)
 SPLIT = ("client", "proxy", "failover", "wait", "network", "tokenize", "queue", "load", "reasoning", "prefill", "decode", "server")

@@ -18,8 +18,8 @@ from typing import Any
 
 
 from ..wire.chunk import BodyInfo, Chunk, count, listed, string
-from ..wire.text import json_text
 from ..wire.engine import from_ollama
+from ..wire.text import json_text
 from ..wire.tokens import REPLY_PRIMING, TOKENS_PER_MESSAGE, Parts, PromptParts
 from . import Dialect, Route
 

@@ -51,8 +51,8 @@ import random
 import time
 from typing import TYPE_CHECKING, Sequence
 
-from .forecast import MIN_SAMPLES
 from ..wire.prompt import Chain
+from .forecast import MIN_SAMPLES
 from .prefix import Index
 
 if TYPE_CHECKING:

@@ -52,12 +52,12 @@ from typing import Any, Callable
 
 from ..config import Settings, checked_entry, parse_yaml, read_text
 from ..upstream.connection import Budget
+from ..upstream.pool import Pool
+from ..wire.prompt import Chain
 from .health import EjectionSpec, Health
 from .picker import Picker
-from ..wire.prompt import Chain
-from .retry import BudgetSpec, RetryBudget
-from ..upstream.pool import Pool
 from .replica import Replica
+from .retry import BudgetSpec, RetryBudget
 
 log = logging.getLogger("llmproxy.routes")
 GLOBBED_MAX = 4096  # models whose glob route is remembered (names are client-chosen: bounded)

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..wire.chunk import BodyInfo
+from ..wire.tokens import PromptParts
 from .slo import Verdict
 from .timing import Breakdown, RequestTiming
-from ..wire.tokens import PromptParts
 from .tracing import RequestSpans
 
 

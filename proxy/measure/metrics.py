@@ -16,9 +16,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summ
 from prometheus_client.exposition import choose_encoder, generate_latest
 
 from .buckets import DURATION_BUCKETS, GAP_BUCKETS, OVERHEAD_BUCKETS, PREFILL_TPS_BUCKETS, RTT_BUCKETS, TPS_BUCKETS, TTFT_BUCKETS, WAIT_BUCKETS
-from .slo import BEFORE_FIRST_TOKEN, FAILED, Verdict
 from .labels import ModelLabels, served
 from .series import Series, observe_many
+from .slo import BEFORE_FIRST_TOKEN, FAILED, Verdict
 from .timing import PHASES, Breakdown, RequestTiming, failover_shares
 
 BASE = ("model", "upstream", "endpoint", "stream")

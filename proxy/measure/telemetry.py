@@ -18,17 +18,17 @@ from typing import Any, Protocol
 import orjson
 
 from .. import apis
-from ..wire.chunk import read_usage
 from ..config import Settings
+from ..wire.chunk import read_usage
+from ..wire.text import MODEL_CHARS, dumps, storable
+from ..wire.tokens import PromptParts, TokenCache, Tokenizer
+from .context import RequestContext, record_dict
+from .labels import served
 from .meters import Meters
 from .metrics import ProxyMetrics
 from .offload import Offload
 from .slo import SLOs
 from .timing import Breakdown, split
-from .context import RequestContext, record_dict
-from .labels import served
-from ..wire.text import MODEL_CHARS, dumps, storable
-from ..wire.tokens import PromptParts, TokenCache, Tokenizer
 from .tracing import Tracing
 
 log = logging.getLogger("llmproxy.telemetry")

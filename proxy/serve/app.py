@@ -20,27 +20,27 @@ from prometheus_client import CollectorRegistry
 from starlette.types import Receive, Scope, Send
 
 from .. import apis, records
+from ..config import Settings
 from ..fleet import forecast
 from ..fleet.health import EJECT_REASONS, STATES
-from ..records.aggregate import summary as summarise
-from ..records.outbox import Outbox
-from .acceptor import ProxyLoop
-from .admission import Admission
-from ..upstream.limits import raise_open_files_limit, worker_cap
-from ..config import Settings
+from ..fleet.replica import Replica
+from ..fleet.routes import Router
 from ..measure.meters import Meters, build_meters
 from ..measure.metrics import ProxyMetrics, multiprocess_enabled
+from ..measure.offload import Offload
+from ..measure.slo import SLOs
+from ..measure.telemetry import Telemetry
+from ..measure.tracing import Tracing, build_tracer_provider
+from ..records.aggregate import summary as summarise
+from ..records.outbox import Outbox
+from ..upstream.limits import raise_open_files_limit, worker_cap
+from ..wire.tokens import Tokenizer
+from .acceptor import ProxyLoop
+from .admission import Admission
+from .page import HEADERS, NO_SNIFF, Gate, files
 from .relay import Exchange
 from .request import KEY_HEADERS, filter_headers
-from ..measure.offload import Offload
-from .page import HEADERS, NO_SNIFF, Gate, files
-from ..measure.telemetry import Telemetry
-from ..wire.tokens import Tokenizer
-from ..measure.tracing import Tracing, build_tracer_provider
-from ..fleet.routes import Router
-from ..measure.slo import SLOs
 from .tenants import Tenants
-from ..fleet.replica import Replica
 
 log = logging.getLogger("llmproxy")
 SETTINGS_ENV = "LLMPROXY_SETTINGS_JSON"
@@ -86,6 +86,7 @@ class ProxyApp:
         # --max-in-flight is the proxy's: each worker enforces its part, shared by tenant (admission.py).
         self.admission = Admission(worker_cap(settings), settings.admission_queue_s, lambda label: self.tenants.weight(label))
         self.metrics.child("llmproxy_max_in_flight", settings.upstream_label).set(self.admission.cap)
+        self.metrics.in_flight(settings.upstream_label)  # (at 0 from the start: an idle proxy is scraped, never absent)
         self.metrics.tenants_known(settings.upstream_label, self.tenants.labels(), self.admission.cap > 0)
         self.client_keys = settings.client_keys()
         self.admin = self._admin_app()  # the proxy's own endpoints, on this port or --admin-port

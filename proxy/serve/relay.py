@@ -30,26 +30,26 @@ from starlette.types import Receive, Scope, Send
 
 from .. import apis
 from ..config import Settings
-from ..wire.engine import from_llamacpp, from_vllm
 from ..errors import ModelNotRouted, ProxyError, ProxyOverloaded, TransportError, UpstreamTimeout, map_transport_error
-from ..wire import prompt as shape
 from ..fleet.health import retry_after_s
 from ..fleet.placement import Placement
 from ..fleet.retry import FailOver
+from ..measure.context import RequestContext
+from ..measure.timing import STAMPS, RequestTiming, note_slow_client, now_ns
+from ..wire import prompt as shape
+from ..wire.engine import from_llamacpp, from_vllm
+from ..wire.text import MODEL_CHARS, storable
 from .reply import Reply, content_length
 from .request import ClientGone, check_request, filter_headers, read_body
-from ..measure.context import RequestContext
-from ..wire.text import MODEL_CHARS, storable
-from ..measure.timing import STAMPS, RequestTiming, note_slow_client, now_ns
 
 if TYPE_CHECKING:
-    from .admission import Admission
-    from ..upstream.connection import Connection
-    from ..measure.offload import Offload
-    from ..fleet.routes import Router
-    from ..measure.telemetry import Telemetry
-    from .tenants import Tenants
     from ..fleet.replica import Replica
+    from ..fleet.routes import Router
+    from ..measure.offload import Offload
+    from ..measure.telemetry import Telemetry
+    from ..upstream.connection import Connection
+    from .admission import Admission
+    from .tenants import Tenants
 
 log = logging.getLogger("llmproxy.relay")
 

@@ -12,20 +12,20 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
+from ..measure.timing import now_ns
+from ..upstream.pump import BodyWriter, Pump
+from ..upstream.reader import Reader
 from ..wire.chunk import without_engine_fields
 from ..wire.compression import DecodeError, Decoder
 from ..wire.engine import from_tgi
 from ..wire.framing import framer
-from ..upstream.pump import BodyWriter, Pump
-from ..upstream.reader import Reader
 from .request import filter_headers, header
-from ..measure.timing import now_ns
 
 if TYPE_CHECKING:
     from .. import apis
     from ..config import Settings
-    from ..upstream.connection import Connection
     from ..measure.context import RequestContext
+    from ..upstream.connection import Connection
 
 Start = Callable[[int, list[tuple[bytes, bytes]]], Awaitable[None]]
 

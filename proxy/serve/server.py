@@ -31,8 +31,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.utils import is_ssl
 
 from ..config import Settings
-from ..upstream.pump import BodyWriter
 from ..measure.timing import STAMPS, now_ns
+from ..upstream.pump import BodyWriter
 
 HEADER_TIMEOUT_ENV = "LLMPROXY_HEADER_TIMEOUT"
 MAX_BLOCKED = 64  # pause intervals kept per request (later ones are merged into the last)

@@ -49,14 +49,14 @@ from typing import Any
 
 import orjson
 
-from . import anthropic, gemini, ollama, openai, responses
-from .cache import PrefixCache
-from .schedule import Plan, SimConfig, SimStats
-from .compression import encoded
 from .. import apis
 from ..wire.chunk import json_object
 from ..wire.text import dumps, storable
 from ..wire.tokens import Tokenizer
+from . import anthropic, gemini, ollama, openai, responses
+from .cache import PrefixCache
+from .compression import encoded
+from .schedule import Plan, SimConfig, SimStats
 
 # Each is one token in cl100k_base and o200k_base, so chunk text and token counts agree.
 WORDS = (" the", " of", " and", " to", " in", " is", " that", " for", " it", " with", " as", " on")

@@ -25,12 +25,12 @@ import ssl
 import struct
 from typing import Any, Awaitable, Callable
 
-from . import egress
 from ..config import Settings
-from .connection import Budget, Connection
-from .limits import pool_size
 from ..errors import ConnectError, ConnectTimeout, EgressError, ProxyOverloaded, TransportError, WriteTimeout
 from ..measure.timing import RequestTiming, now_ns
+from . import egress
+from .connection import Budget, Connection
+from .limits import pool_size
 
 _TCP_INFO = getattr(socket, "TCP_INFO", None)
 _TCPI_RTT_OFFSET = 68  # struct tcp_info: 8 bytes of u8 fields, then u32s; tcpi_rtt (µs) is the 16th

@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 from ..measure.timing import now_ns
 
 if TYPE_CHECKING:
+    from ..measure.timing import RequestTiming
     from .connection import Budget, Connection
     from .reader import Reader
-    from ..measure.timing import RequestTiming
 
 
 class BodyWriter:

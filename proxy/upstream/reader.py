@@ -15,10 +15,10 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Callable
 
+from ..errors import RemoteProtocolError
 from ..wire.chunk import Chunk, Template, learn, without_engine_fields
 from ..wire.compression import DecodeError, Decoder
 from ..wire.engine import from_llamacpp, from_vllm
-from ..errors import RemoteProtocolError
 from ..wire.framing import Framer
 from ..wire.sse import EventTooLarge
 from ..wire.text import ERROR_CODE_CHARS, storable

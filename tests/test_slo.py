@@ -230,7 +230,7 @@ def test_each_miss_names_its_objective_and_the_cause_built_into_it(judged, sim):
         with pytest.raises(openai.APIStatusError):
             chat(judged, {**NORMAL, "x-sim-error-status": status})
     chat(judged, {**NORMAL, "x-sim-ttft-ms": "4500"}, stream=False)  # no stream: e2e only, and 4.5 s misses it
-    records = judged.wait_records(16, timeout=10)[6:]
+    records = judged.wait_records(15, timeout=10)[6:]  # (6 good, then 9: the 400 is recorded too)
     got = [(r["slo_good"], r["slo_missed"], r["slo_blame"]) for r in records]
     assert got == [
         (False, ["ttft"], {"ttft": "prefill"}),

@@ -128,10 +128,11 @@ def test_the_waterfall_matches_the_records(proxy_factory, tmp_path):
             wait_for(page, f"document.querySelectorAll('.row').length === {len(slow)}")
             assert len(slow) == 1 and slow[0]["prompt_tokens"] > 1900
             # Who sent it: one tenant's requests, then one end user's (typed: there are many).
+            known = len(proxy.records())
             for user in ("u-7", "u-8"):
                 httpx.post(f"{proxy.v1}/chat/completions", json={"model": "sim-7b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
                            headers={"x-team": "mobile", "x-end-user": user}, timeout=30)
-            proxy.wait_records(len(proxy.records()) + 2)
+            assert len(proxy.wait_records(known + 2)) == known + 2  # (counted before they were sent: none waited for in vain)
             page.goto(f"{proxy.url}/ui?tenant=mobile")
             page.wait_for_selector("body[data-loaded=true]")
             wait_for(page, "document.querySelectorAll('.row').length === 2")

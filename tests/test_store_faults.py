@@ -410,7 +410,10 @@ def test_a_kill_9_under_load_is_counted_on_restart(pg, sim, tmp_path):
         holder.execute("LOCK TABLE llmproxy_records IN SHARE MODE")  # (writes wait; the writer's heartbeat still goes through)
         for _ in range(90):
             assert httpx.post(f"{url}/v1/chat/completions", json=body, headers={"x-sim-ttft-ms": "1"}, timeout=30).status_code == 200
-        time.sleep(7.0)  # (its maintenance pass, every 5 s, writes how far it has numbered)
+        deadline = time.monotonic() + 15  # (its maintenance pass, every 5 s, writes how far it has numbered: all 120)
+        while execute((dsn, str(pg.password_file)), "SELECT coalesce(max(assigned), 0) FROM llmproxy_boots WHERE instance = 'first'")[0][0] < 120:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
         os.killpg(first.pid, signal.SIGKILL)  # the serving process and its writer process
         first.wait()
         holder.execute("ROLLBACK")

@@ -29,7 +29,7 @@ predicted time to first token (forecast.py). Every replica's health is judged fr
 sent to it (health.py): one failing is set aside, by default, whatever the route's `pick`
 (picker.py filters, scores and picks).
 
-A route's `url` maps request paths exactly as `--upstream` does (`Upstream.target`): the client's
+A route's `url` maps request paths exactly as `--upstream` does (`Pool.target`, upstream/pool.py): the client's
 path goes below the URL's path less a final `/v1`, so one upstream serves OpenAI's `/v1/…`,
 Anthropic's `/v1/messages`, Azure's `/openai/deployments/…` (give Azure's resource URL, an origin)
 and any other path alike. The model is what the request's API names (the body's `model`, else an

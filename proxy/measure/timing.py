@@ -84,7 +84,7 @@ class RequestTiming:
     body_end_ns: int | None = None  # the client's request body fully read
     queued_ns: int | None = None  # it began waiting for a slot under --max-in-flight (admission.py; None: admitted at once)
     admitted_ns: int | None = None  # ... and was admitted, or gave up (--admission-queue-s)
-    # upstream exchange (stamped by upstream.py at each step; those of the last attempt)
+    # upstream exchange (stamped by upstream/pool.py at each step; those of the last attempt)
     issued_ns: int | None = None
     first_issued_ns: int | None = None  # the first attempt's issue, when it was abandoned for another replica
     attempts: list[Any] = field(default_factory=list)  # the abandoned attempts (retry.Attempt), in order

@@ -52,7 +52,7 @@ class Connection(asyncio.Protocol):
         self._waiter: asyncio.Future[None] | None = None
         self._drained: asyncio.Future[None] | None = None
         self._now = 0  # the instant the bytes being parsed were read off the socket
-        self.rtt_s: float | None = None  # the kernel's smoothed RTT of this socket, as last read (upstream.py)
+        self.rtt_s: float | None = None  # the kernel's smoothed RTT of this socket, as last read (pool.py)
         self.rtt_ns = 0  # when it was read
         self._reset()
 

@@ -93,7 +93,7 @@ class Pool:
         # closes expired ones from the front.
         self._idle: list[Connection] = []
         self._sweep_timer: asyncio.TimerHandle | None = None
-        # The pool's size: --max-connections, else as many streams as the process can hold (admission.py).
+        # The pool's size: --max-connections, else as many streams as the process can hold (limits.py).
         self.limit = pool_size(settings)
         self.limited_by = ("--max-connections" if settings.max_connections > 0 else "--max-in-flight" if settings.max_in_flight > 0
                            else "the open files limit")

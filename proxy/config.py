@@ -12,8 +12,8 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping
 from pathlib import Path
+from typing import Any, Mapping
 from urllib.parse import unquote, urlsplit
 
 ENV_PREFIX = "LLMPROXY_"

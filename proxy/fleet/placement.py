@@ -131,10 +131,10 @@ class Placement:
     def deadline_s(self) -> float | None:
         """This attempt's first-token deadline: the route's, or a margin over what its replica is expected to take
         for this prompt with the work ahead of it (forecast.py), whichever is later; None: the route has none."""
-        deadline, upstream = self.rule.first_token_deadline, self.upstream
-        if deadline is None or upstream is None:
+        deadline, lesson = self.rule.first_token_deadline, self.lesson
+        if deadline is None or lesson is None:  # (no route deadline, or not placed yet: `use` sets both)
             return None
-        return upstream.forecast.deadline_s(deadline, self.lesson.x if self.lesson is not None else 0)
+        return lesson.forecast.deadline_s(deadline, lesson.x)
 
     def settle(self) -> None:
         """Its prompt no longer waits on the replica (the first token came, or the attempt ended)."""

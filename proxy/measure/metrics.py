@@ -27,8 +27,9 @@ BASE = ("model", "upstream", "endpoint", "stream")
 TENANTED = BASE + ("tenant",)
 # Telemetry components, initialised to 0 so dashboards and alerts see the series before any error.
 COMPONENTS = ("metrics", "tracing", "tokenizer", "records", "timing", "slo", "otlp_export", "otlp_metrics")
+# Why a record never reached the store (records/: the serving process's queue and the writer process).
+DROP_REASONS = ("buffer_full", "rejected", "shutdown", "clock_skew")
 # Why the proxy itself answered 503 proxy_overloaded (errors.EXHAUSTED holds the exhaustion ones).
-DROP_REASONS = ("buffer_full", "rejected", "shutdown", "clock_skew")  # a record the serving process could not hand over (records/)
 REJECT_REASONS = ("max_in_flight", "queue_timeout", "pool", "descriptors", "ports", "memory")
 # Why a relayed response was not (wholly) measured (timing.Unmeasured).
 UNMEASURED_REASONS = ("event_too_large", "undecodable", "client_backpressure")

@@ -255,7 +255,10 @@ def test_a_held_stream_reaches_the_client_whole_whatever_its_shape(pair, proxy_f
         final = stream.get_final_message()
     assert text and final.usage.output_tokens == 6
     records = proxy.wait_records(3)
-    assert all(len(r["attempts"]) == 1 and r["outcome"] == "ok" and r["ttft_s"] >= 0.345 for r in records[-3:])
+    # The first token, not a keep-alive (the first came at 50 ms): the simulator's timers run on a cached loop clock,
+    # which a loaded machine leaves stale, so its 345 ms can be a few ms short; 300 ms still tells them apart.
+    assert all(len(r["attempts"]) == 1 and r["outcome"] == "ok" and r["ttft_s"] >= 0.300 for r in records[-3:]), \
+        [(len(r["attempts"]), r["outcome"], r["ttft_s"]) for r in records]
 
 
 @pytest.mark.parametrize("pick", ["fewest_in_flight", "predicted_ttft"])

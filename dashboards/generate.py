@@ -53,6 +53,7 @@ PANEL_OVERHEAD = "Proxy's own overhead (phase proxy)"
 PANEL_SHED = "Shed load: 503 proxy_overloaded, by reason"
 PANEL_FDS = "Open descriptors vs the limit"
 PANEL_POOL = "The proxy's own upstream pool"
+PANEL_CPU = "The proxy's own CPU: throttling and event-loop lag"
 ROW_SLO = "Service-level objectives"
 PANEL_SLO_MISSES = "SLO misses by blamed phase"
 PANEL_TENANT_BUDGET = "Budget spent by tenant"
@@ -219,6 +220,15 @@ def build() -> dict:
         description="The proxy's own connections to each upstream: lent to requests (in_use), kept for reuse (idle), and the pool's "
                     "size (--max-connections, else --max-in-flight, else what the open files limit holds). Requests that found it "
                     "full waited (the phase wait, the proxy's own, never network) or got 503 proxy_overloaded (reason pool)."))
+    d = d.with_panel(ts(PANEL_CPU, "s", [
+        q(f"sum by (instance) (rate(llmproxy_process_cpu_throttled_seconds_total[{RI}]))", "throttled s/s {{instance}}", "A"),
+        q(f"histogram_quantile(0.99, sum by (le) (rate(llmproxy_event_loop_lag_seconds_bucket[{RI}])))", "event loop lag p99", "B"),
+        q(f'sum(rate(llmproxy_phase_seconds_total{{{SEL}, phase="lag"}}[{RI}])) / sum(rate(llmproxy_request_duration_seconds_count{{{SEL}}}[{RI}]))',
+          "mean lag per request (phase lag)", "C")], 12, 70, w=12,
+        description="Whether the proxy itself is short of CPU. Throttled: seconds per second its cgroup (the pod) was stopped "
+                    "for its CPU limit (every process: serving, records, tokenizer). Event loop lag: how late its loop ran a "
+                    "timer (every stream waited that long). Phase lag: a request's bytes that had arrived, waiting for the "
+                    "loop; the engine's phases stay true (the kernel's arrival stamps). Any of them high: LLMProxySaturated."))
 
     d = d.with_row(Row("Per model"))
     per_model = (

@@ -17,7 +17,7 @@ from pathlib import Path
 # OpenAI (an interpreted class cannot inherit from a compiled one). The other dialects read their streams'
 # events too, and with tokens they read a prompt's parts and look them up in the token cache at the finish:
 # an agent's turn walks some 160 parts (140 to 70 µs a turn in process, compiled).
-HOT_MODULES = ("upstream.connection", "upstream.pump", "upstream.reader", "wire.sse", "wire.framing", "wire.chunk", "measure.timing",
+HOT_MODULES = ("upstream.connection", "upstream.pump", "upstream.reader", "wire.sse", "wire.framing", "wire.chunk", "measure.arrival", "measure.reads", "measure.timing",
                "measure.context", "wire.tokens", "apis.openai", "apis.azure", "apis.anthropic", "apis.gemini")
 PACKAGE = Path(__file__).resolve().parent
 

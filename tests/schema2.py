@@ -1,6 +1,7 @@
 """Store version 2 (before tenants): what its replicas created and write, made from this version's
 schema by taking back what version 3 added (the tenant and end-user columns, their indexes, the
-rollup's tenant and its sums) and what later versions did (version 4's boots, version 5's model_name), so that a test can migrate a store of version 2 while an old replica
+rollup's tenant and its sums) and what later versions did (version 4's boots, version 5's model_name, version 6's
+phase lag), so that a test can migrate a store of version 2 while an old replica
 keeps writing to it, as in a rolling upgrade."""
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ from proxy.records import columns as C
 from proxy.records import sql as A
 
 V3_COLUMNS = ("tenant", "user_id", "ph_failover")
-LATER_COLUMNS = ("model_name",)  # (version 5's)
+LATER_COLUMNS = ("model_name", "ph_lag")  # (version 5's, 6's)
 COLUMNS = tuple(c for c in C.COLUMNS if c not in V3_COLUMNS + LATER_COLUMNS)
 DIMENSIONS = tuple(d for d in C.DIMENSIONS if d != "tenant")
-SUMS = tuple(s for s in A.SUMS if s[0] not in A.V3_SUMS)
+SUMS = tuple(s for s in A.SUMS if s[0] not in A.V3_SUMS + A.V6_SUMS)
 ROLLUP_COLUMNS = (*DIMENSIONS, *(name for name, _, _ in SUMS))
 
 
@@ -25,7 +26,7 @@ def downgrade(conn: Any, postgres: bool) -> None:
         conn.execute(f"DROP INDEX IF EXISTS {index}")
     for column in V3_COLUMNS + LATER_COLUMNS:
         conn.execute(f"ALTER TABLE llmproxy_records DROP COLUMN {column}")
-    for column in ("tenant", *A.V3_SUMS):
+    for column in ("tenant", *A.V3_SUMS, *A.V6_SUMS):
         conn.execute(f"ALTER TABLE llmproxy_rollup DROP COLUMN {column}")
     conn.execute("DROP TABLE IF EXISTS llmproxy_boots")  # (version 4's)
     conn.execute(f"UPDATE {'llmproxy_meta' if postgres else 'meta'} SET value = '2' WHERE key = 'store_version'")

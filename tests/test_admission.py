@@ -183,12 +183,23 @@ def test_the_admission_wait_is_the_phase_wait_never_the_proxy_s_or_the_server_s(
     t.upstream_end_ns = t.response_end_ns = 600_000_000
     t.first_sent_ns = 500_000_000
     b = split(t)
-    assert b.phases["wait"] == pytest.approx(0.300)  # from the body's end (the client's before it) to admission
-    assert b.phases["client"] == pytest.approx(0.001) and b.phases["proxy"] == pytest.approx(0.001)
+    assert b.phases["wait"] == pytest.approx(0.3005)  # all of it: the body's last 0.5 ms came in the wait (the proxy's)
+    assert b.phases["client"] == pytest.approx(0.0005) and b.phases["proxy"] == pytest.approx(0.001)
     assert sum(b.phases.values()) == pytest.approx(b.e2e_s)
     refused = RequestTiming(received_ns=0, body_end_ns=1_000_000, queued_ns=1_000_000, admitted_ns=201_000_000, response_end_ns=202 * NS // 1000)
     r = split(refused)
     assert r.phases["wait"] == pytest.approx(0.2) and r.phases["proxy"] == pytest.approx(0.001)
+    # A large body: the server reads 64 KB of it, then none until it is admitted, so its end comes after the wait.
+    # The whole wait is `wait`; the client's upload is what is left (2 ms before it, 10 ms after).
+    big = RequestTiming(received_ns=0, queued_ns=2_000_000, admitted_ns=302_000_000, body_end_ns=312_000_000)
+    big.body_seen_ns = 312_000_000
+    big.issued_ns = big.first_event_ns = 313_000_000
+    big.headers_ns, big.content_ns, big.content_choice = 400_000_000, [500_000_000, 600_000_000], [0, 0]
+    big.upstream_end_ns = big.response_end_ns = big.first_sent_ns = 600_000_000
+    big.first_sent_ns = 500_000_000
+    g = split(big)
+    assert g.phases["wait"] == pytest.approx(0.300) and g.phases["client"] == pytest.approx(0.012)
+    assert g.phases["proxy"] == pytest.approx(0.001) and sum(g.phases.values()) == pytest.approx(g.e2e_s)
 
 
 # --- on real sockets, with the official client -----------------------------------------------
@@ -303,3 +314,13 @@ def test_the_queue_waits_at_most_its_seconds_and_the_wait_is_in_the_record(proxy
     assert report["bulk"]["admission"]["refused"] == 1 and report["chat"]["admission"]["refused"] == 0
     assert report["bulk"]["admission"]["wait_s_mean"] == pytest.approx(waited_ok["phases_s"]["wait"] / 3, abs=0.02)  # one of its three ok waited
     assert "admission: 1 refused by the proxy" in subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    # An agent-sized body (600 KB: the server stops reading it past 64 KB) that waits for its slot: its wait is `wait`,
+    # not the client's upload, although its end was read only once admitted.
+    first = threading.Thread(target=stream, args=(bulk, 20, 40))
+    first.start()
+    time.sleep(0.1)
+    big = [{"role": "user", "content": "word " * 120_000}]
+    bulk.chat.completions.create(model="m", messages=big, max_tokens=2)
+    first.join()
+    record = max(proxy.wait_records(7), key=lambda r: r["prompt_tokens"] or 0)
+    assert record["prompt_tokens"] > 100_000 and record["phases_s"]["wait"] > 0.25 and record["phases_s"]["client"] < 0.1, record["phases_s"]

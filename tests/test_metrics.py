@@ -7,6 +7,7 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
+from proxy.measure import cpu
 from proxy.measure.labels import ModelLabels, served
 from proxy.measure.metrics import METRICS, ProxyMetrics
 from proxy.measure.timing import split
@@ -14,6 +15,14 @@ from proxy.measure.timing import split
 from test_timing import streaming_record
 
 UP = "127.0.0.1:8000"
+
+
+def cgroup_v1(folder: Path, quota_us: int) -> cpu.Cgroup:
+    """A cgroup v1 cpu controller's files, as the kernel writes them."""
+    (folder / "cpu.stat").write_text("nr_periods 120\nnr_throttled 30\nthrottled_time 2500000000\n")
+    (folder / "cpu.cfs_quota_us").write_text(f"{quota_us}\n")
+    (folder / "cpu.cfs_period_us").write_text("100000\n")
+    return cpu.Cgroup(folder / "cpu.stat", v2=False)
 
 
 def observed():
@@ -119,8 +128,9 @@ def test_openmetrics_exposition_carries_the_trace_id_exemplar():
     assert re.search(rb'llmproxy_time_to_first_token_seconds_bucket\{.*\} 1.0 # \{trace_id="0af7651916cd43dd8448eb211c80319c"\}', body)
 
 
-def test_every_defined_metric_is_exposed_with_its_name():
+def test_every_defined_metric_is_exposed_with_its_name(tmp_path):
     registry, metrics = observed()
+    metrics.cpu.cgroup = cgroup_v1(tmp_path, quota_us=50_000)  # (the kernel's figures: a cgroup with a quota has them all)
     metrics.telemetry_error("tracing")
     metrics.in_flight(UP).inc()
     body, _ = metrics.render("text/plain")

@@ -37,7 +37,7 @@ def tenants_file(named: int) -> str:
             "users:\n  header: x-end-user\n")
 
 
-def fill_to_the_cap(base: str, models: int = 100, tenants: int = 0, users: int = 0) -> int:
+def fill_to_the_cap(base: str, models: int = 100, tenants: int = 0, users: int = 0, name: str = "model-{:03d}") -> int:
     """One ok request per (model, endpoint, stream) label set, through every API the proxy measures:
     chat, completions, the Responses API, Anthropic Messages, Gemini and Ollama's chat, streaming and
     not, embeddings and Azure OpenAI's chat path (with `tenants`: each from the next tenant and a new
@@ -45,7 +45,7 @@ def fill_to_the_cap(base: str, models: int = 100, tenants: int = 0, users: int =
     sent = 0
     with httpx.Client(base_url=base, timeout=30, headers=FAST) as client:
         for i in range(models):
-            model = f"model-{i:03d}"
+            model = name.format(i)
             messages = [{"role": "user", "content": "hi"}]
             requests: list[tuple[str, dict[str, object]]] = [("/v1/embeddings", {"model": model, "input": "hi"})]
             for stream in (True, False):
@@ -64,7 +64,7 @@ def fill_to_the_cap(base: str, models: int = 100, tenants: int = 0, users: int =
                 response.raise_for_status()
                 sent += 1
         for n in range(sent, users):
-            client.post("/v1/embeddings", json={"model": f"model-{n % models:03d}", "input": "hi"},
+            client.post("/v1/embeddings", json={"model": name.format(n % models), "input": "hi"},
                         headers={"x-tenant": f"tenant-{n % max(1, tenants):02d}", "x-end-user": f"user-{n}"}).raise_for_status()
             sent += 1
     return sent
@@ -81,6 +81,8 @@ def main() -> int:
     parser.add_argument("--tenants", type=int, default=0, help="distinct tenants sending (0: none named, all `unknown`)")
     parser.add_argument("--named", type=int, default=20, help="of them, named in the --tenants file")
     parser.add_argument("--users", type=int, default=0, help="distinct end users at least")
+    parser.add_argument("--model-name", default="model-{:03d}", help="the models' names (a format of their number): a real one's length")
+    parser.add_argument("--families", type=int, default=0, help="also list the N families with the most bytes")
     parser.add_argument("proxy_args", nargs="*", help="extra flags for the proxy, after --")
     args = parser.parse_args()
     sim_port, port = free_port(), free_port()
@@ -95,7 +97,7 @@ def main() -> int:
         command = serve_command(args.src, "serve", "--upstream", f"http://127.0.0.1:{sim_port}/v1", "--port", str(port), *extra)
         with process(command, f"http://127.0.0.1:{port}/healthz"):
             base = f"http://127.0.0.1:{port}"
-            sent = fill_to_the_cap(base, tenants=args.tenants, users=args.users)
+            sent = fill_to_the_cap(base, tenants=args.tenants, users=args.users, name=args.model_name)
             times, body = [], b""
             for _ in range(args.scrapes):
                 began = time.perf_counter()
@@ -106,6 +108,19 @@ def main() -> int:
     print("|---|---|---|---|")
     created = sum(1 for line in body.splitlines() if b"_created" in line and not line.startswith(b"#"))
     print(f"| {series(body):,} | {len(body) / 1e6:.2f} | {statistics.median(times) * 1000:.1f} | {created:,} |")
+    if args.families:
+        families: dict[str, list[int]] = {}
+        for line in body.splitlines():
+            if line and not line.startswith(b"#"):
+                name = line.split(b"{")[0].split(b" ")[0].decode()
+                for suffix in ("_bucket", "_sum", "_count", "_total"):
+                    name = name.removesuffix(suffix)
+                cell = families.setdefault(name, [0, 0])
+                cell[0] += 1
+                cell[1] += len(line) + 1
+        print("\n| family | series | KB |\n|---|---|---|")
+        for name, (n, size) in sorted(families.items(), key=lambda item: -item[1][1])[:args.families]:
+            print(f"| {name} | {n:,} | {size / 1e3:.0f} |")
     return 0
 
 

@@ -35,7 +35,7 @@ from ..records.aggregate import Aggregate, read
 from ..records.sql import PAIRS, SAMPLE, Window
 from . import budget
 
-PHASES = ("client", "failover", "wait", "network", "tokenize", "queue", "load", "prefill", "reasoning", "decode", "server", "proxy")
+PHASES = ("client", "failover", "wait", "network", "tokenize", "queue", "load", "prefill", "reasoning", "decode", "server", "proxy", "lag")
 BY = ("model", "upstream")
 METHOD = {"percentiles": f"from log buckets of ratio {C.GAMMA}: each within {C.GAMMA ** 0.5 - 1:.2%} of the value",
           "fits": f"Theil-Sen: the slope from {PAIRS} points, the intercept from {SAMPLE}, of a uniform sample (every point below that); "

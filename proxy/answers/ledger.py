@@ -22,7 +22,7 @@ from ..records.sql import Window
 from . import budget
 
 BY = ("tenant",)
-SPLIT = ("client", "proxy", "failover", "wait", "network", "tokenize", "queue", "load", "reasoning", "prefill", "decode", "server")
+SPLIT = ("client", "proxy", "lag", "failover", "wait", "network", "tokenize", "queue", "load", "reasoning", "prefill", "decode", "server")
 LONG = 2.0  # a tenant's mean this many times the others' is "long" (or "queues") in the diagnosis
 NOTE = ("means over successful requests from the aggregates (exact; they add up); percentiles within the Prometheus histograms' "
         "buckets (as histogram_quantile); budget_spent: the share of the objective's whole error budget over the window "

@@ -15,7 +15,8 @@ from typing import Any, Callable, Container, Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary, disable_created_metrics
 from prometheus_client.exposition import choose_encoder, generate_latest
 
-from .buckets import DURATION_BUCKETS, GAP_BUCKETS, OVERHEAD_BUCKETS, PREFILL_TPS_BUCKETS, RTT_BUCKETS, TPS_BUCKETS, TTFT_BUCKETS, WAIT_BUCKETS
+from . import cpu
+from .buckets import DURATION_BUCKETS, GAP_BUCKETS, LAG_BUCKETS, OVERHEAD_BUCKETS, PREFILL_TPS_BUCKETS, RTT_BUCKETS, TPS_BUCKETS, TTFT_BUCKETS, WAIT_BUCKETS
 from .labels import ModelLabels, served
 from .series import Series, observe_many
 from .slo import BEFORE_FIRST_TOKEN, FAILED, Verdict
@@ -47,6 +48,8 @@ class MetricDef:
     doc: str
     labels: tuple[str, ...]
     buckets: tuple[float, ...] = ()
+    kernel: bool = False  # read from the kernel at each scrape (cpu.py), never observed here
+
 
     @property
     def exposed(self) -> str:
@@ -65,6 +68,11 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("llmproxy_read_ahead_bytes", "gauge", "Bytes of streamed responses read from upstreams ahead of slow clients now (per stream at most --stream-buffer-bytes, in all --stream-buffer-total-bytes; read at each scrape; with workers, each worker's every second).", ()),
     MetricDef("llmproxy_open_fds", "gauge", "Open file descriptors of the proxy's processes (read at each scrape; with workers, each worker's every second).", ()),
     MetricDef("llmproxy_max_fds", "gauge", "The open files limit (RLIMIT_NOFILE soft limit, after the proxy raised it to the hard one), summed over worker processes.", ()),
+    MetricDef("llmproxy_process_cpu_periods", "counter", "CPU limit enforcement periods of the cgroup the proxy runs in (a container: the pod's; cpu.stat nr_periods; read at each scrape): with a CPU quota, one per period (100 ms by default) its processes ran in. No series without a cgroup.", (), kernel=True),
+    MetricDef("llmproxy_process_cpu_throttled_periods", "counter", "Of those periods, the ones in which the cgroup spent its quota and every process of it (the serving process, the records writer, the tokenizer worker) was stopped until the next (cpu.stat nr_throttled). throttled / all is the share of periods throttled.", (), kernel=True),
+    MetricDef("llmproxy_process_cpu_throttled_seconds", "counter", "Time the cgroup's processes were stopped for its CPU quota (cpu.stat throttled_time, v1, or throttled_usec, v2): the proxy's own delay, on every stream at once (the phase lag of their records).", (), kernel=True),
+    MetricDef("llmproxy_process_cpu_limit_cores", "gauge", "The cgroup's CPU quota in cores (quota / period; no series without one).", (), kernel=True),
+    MetricDef("llmproxy_event_loop_lag_seconds", "histogram", "How late each process's event loop ran a timer set every 100 ms on average (at random: a fixed period would lock onto a CPU quota's): what every stream on it waited for it (a CPU quota, a burst, a GC pause, a noisy neighbour). A request's own share is its phase lag.", (), LAG_BUCKETS),
     MetricDef("llmproxy_accept_pauses", "counter", "Times the listener stopped accepting for 50 ms because the process was out of descriptors (or memory); clients waited in the listen backlog.", ("reason",)),
     MetricDef("llmproxy_request_duration_seconds", "histogram", "End to end: request received by the proxy to the last byte relayed (successful requests), by tenant too.", TENANTED, DURATION_BUCKETS),
     MetricDef("llmproxy_time_to_first_token_seconds", "histogram", "First content chunk of any choice minus request received by the proxy (successful streaming requests), by tenant too; less the time lost on attempts abandoned on other replicas (the phase failover, theirs): the upstream that served it is charged its own TTFT.", TENANTED, TTFT_BUCKETS),
@@ -128,7 +136,12 @@ class ProxyMetrics:
         self.tenant_expiry_s = tenant_expiry_s
         self._tenant_seen: dict[str, float] = {}  # tenant label -> its last request (monotonic s)
         self.m: dict[str, Any] = {}
+        # The cgroup's figures: the kernel's counters, read when scraped (with workers, by the worker answering).
+        self.cpu = cpu.CgroupCollector(cpu.find(), {d.name: d.doc for d in METRICS if d.kernel})
+        registry.register(self.cpu)
         for d in METRICS:
+            if d.kernel:
+                continue
             if d.kind == "counter":
                 self.m[d.name] = Counter(d.name, d.doc, d.labels, registry=registry)
             elif d.kind == "gauge":
@@ -357,6 +370,7 @@ class ProxyMetrics:
 
             registry = CollectorRegistry()
             multiprocess.MultiProcessCollector(registry)
+            registry.register(self.cpu)
             return generate_latest(registry), "text/plain; version=0.0.4; charset=utf-8"
         encoder, content_type = choose_encoder(accept)
         return encoder(self.registry), content_type

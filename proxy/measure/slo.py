@@ -49,7 +49,7 @@ log = logging.getLogger("llmproxy.slo")
 
 GENERATION = frozenset({"chat", "completions", "responses", "messages", "generate_content", "ollama_chat", "ollama_generate"})
 OBJECTIVES = ("ttft", "tpot", "e2e")  # what a request can miss, besides `error`
-BEFORE_FIRST_TOKEN = ("client", "proxy", "failover", "wait", "network", "tokenize", "queue", "load", "reasoning", "prefill")
+BEFORE_FIRST_TOKEN = ("client", "proxy", "lag", "failover", "wait", "network", "tokenize", "queue", "load", "reasoning", "prefill")
 FAILED = ("upstream_error", "timeout", "proxy_error", "overloaded")  # outcomes that are the service's failure
 LEFT = ("client_disconnect", "client_slow")  # the client went away, or stopped reading
 USUAL_WINDOW = 256  # good requests per model the usual phase values are the median of

@@ -16,6 +16,9 @@ exactly once, when the request ends, whatever the ending. Definitions (docs/defi
   proxy     = (body read -> upstream request issued) + (first content chunk read -> handed to
               the server's send) + (upstream stream ended -> last byte handed to the server's send,
               less the client's part of it)
+  lag       = the proxy's own delay in getting to bytes that had arrived (its event loop late: a CPU
+              quota, a burst, a GC pause): the request body's end, the upstream's connect and its first
+              content chunk, each from its arrival in the kernel (measure/arrival.py) to the loop's read
   wait      = the proxy's own waits: for a slot under --max-in-flight (--admission-queue-s: its
               tenant over its share) and for a free upstream connection (its pool full:
               --max-connections, --pool-timeout); queues inside the proxy, never network, never
@@ -28,12 +31,14 @@ exactly once, when the request ends, whatever the ending. Definitions (docs/defi
   prefill   = ttft - all of the above (the server's queue + prefill)
   decode    = upstream stream ended - first content chunk handed on (decode plus the closing chunks)
   Non-streaming responses have no first chunk: their server time is the phase `server`.
-  wait, network, tokenize and reasoning are capped so that prefill is never negative and the sum stays
-  exact. Instants are taken where the bytes are read: the request's first byte and its body's last
-  in the server protocol (server.py), each upstream piece in the upstream protocol (connection.py),
-  never when a task wakes, so time the event loop spent on other requests is the proxy's own.
-  What none of them can see: a connection waiting in the kernel's accept queue, and bytes waiting
-  in a socket buffer while the loop is busy. When the engine reports its own timings, `prefill` becomes the engine's prompt
+  wait, lag, network, tokenize and reasoning are capped so that prefill is never negative and the sum
+  stays exact. Instants are when the bytes reached the socket: the request's first byte and its
+  body's last in the server protocol (server.py), each upstream piece in the upstream protocol
+  (connection.py), by the kernel's stamp when the loop read them late (within a tick: arrival.py),
+  never when a task wakes. Bytes that waited in a socket while the loop was away arrive as one read,
+  stamped with its last segment: a run of equal content stamps counts as one (its tokens together),
+  and a first token read with later ones is put before them at the rate the later reads measured
+  (`inferred_s`: how far), never before the response's head. When the engine reports its own timings, `prefill` becomes the engine's prompt
   processing time, `load` its model load (Ollama) and the rest of it `queue`; `server` splits into
   queue, load, prefill and decode.
 """
@@ -45,6 +50,7 @@ from typing import Any, Literal
 
 from ..errors import Outcome
 from ..wire.engine import EngineTimings, refine
+from .reads import first_arrival, sequences, window
 
 now_ns = time.monotonic_ns
 # What the server's protocol (server.py) stamps where the bytes are read, for the relay, in the ASGI
@@ -59,9 +65,9 @@ NS = 1_000_000_000
 Endpoint = Literal["chat", "completions", "embeddings", "responses", "responses_other", "messages", "messages_other", "generate_content",
                    "gemini_other", "ollama_chat", "ollama_generate", "ollama_embed", "ollama_other", "other"]
 Unmeasured = Literal["", "event_too_large", "undecodable", "client_backpressure"]
-Phase = Literal["client", "proxy", "failover", "wait", "network", "tokenize", "queue", "load", "reasoning", "prefill", "decode", "server"]
+Phase = Literal["client", "proxy", "lag", "failover", "wait", "network", "tokenize", "queue", "load", "reasoning", "prefill", "decode", "server"]
 TokenSource = Literal["usage", "engine", "tokenizer"]
-PHASES: tuple[Phase, ...] = ("client", "proxy", "failover", "wait", "network", "tokenize", "queue", "load", "reasoning", "prefill", "decode", "server")
+PHASES: tuple[Phase, ...] = ("client", "proxy", "lag", "failover", "wait", "network", "tokenize", "queue", "load", "reasoning", "prefill", "decode", "server")
 
 
 def _s(start_ns: int | None, end_ns: int | None) -> float | None:
@@ -81,7 +87,8 @@ class RequestTiming:
     stream: bool = False
     tenant: str = "unknown"  # who sent it (tenants.py): the application or team
     user: str = ""  # its end user ("": none named); records and spans only, never a metric label
-    body_end_ns: int | None = None  # the client's request body fully read
+    body_end_ns: int | None = None  # the client's request body fully there (its last bytes' arrival: measure/arrival.py)
+    body_seen_ns: int | None = None  # ... and read by the loop (later than the arrival: the proxy's lag)
     queued_ns: int | None = None  # it began waiting for a slot under --max-in-flight (admission.py; None: admitted at once)
     admitted_ns: int | None = None  # ... and was admitted, or gave up (--admission-queue-s)
     # upstream exchange (stamped by upstream/pool.py at each step; those of the last attempt)
@@ -93,7 +100,8 @@ class RequestTiming:
     dns_start_ns: int | None = None
     dns_end_ns: int | None = None
     tcp_start_ns: int | None = None
-    tcp_end_ns: int | None = None
+    tcp_end_ns: int | None = None  # the SYN-ACK's arrival, by the kernel's RTT sample (pool.py)
+    tcp_seen_ns: int | None = None  # ... and when the loop saw the connection made (later: the proxy's lag)
     tls_start_ns: int | None = None
     tls_end_ns: int | None = None
     proxy_start_ns: int | None = None  # the CONNECT exchange with an egress proxy (egress.py)
@@ -102,6 +110,7 @@ class RequestTiming:
     sent_ns: int | None = None  # request body sent (the upload is network time)
     headers_ns: int | None = None
     first_sent_ns: int | None = None  # the first content chunk handed to the server's send
+    first_seen_ns: int | None = None  # ... read by the loop (content_ns: when the bytes arrived)
     rtt_s: float | None = None  # kernel smoothed RTT of the connection used (TCP_INFO)
     # body: one entry per (content chunk, choice with text in it)
     content_ns: list[int] = field(default_factory=list)
@@ -151,7 +160,8 @@ class RequestTiming:
     def reset_upstream(self) -> None:
         """Forget an upstream attempt (the proxy retries without stream_options, or on another replica)."""
         self.issued_ns = self.first_event_ns = self.headers_ns = self.send_start_ns = self.sent_ns = None
-        self.dns_start_ns = self.dns_end_ns = self.tcp_start_ns = self.tcp_end_ns = self.tls_start_ns = self.tls_end_ns = None
+        self.dns_start_ns = self.dns_end_ns = self.tcp_start_ns = self.tcp_end_ns = self.tcp_seen_ns = self.tls_start_ns = self.tls_end_ns = None
+        self.first_seen_ns = None
         self.proxy_start_ns = self.proxy_end_ns = None
         self.rtt_s = None
 
@@ -189,34 +199,22 @@ class Breakdown:
     proxy_after_s: float = 0.0  # and after the upstream stream ended
     client_blocked_s: float = 0.0  # the relay waited on a slow client with bytes to give it
     client_after_s: float = 0.0  # of which after the upstream's end: in the `client` phase, not `proxy`
+    inferred_s: float = 0.0  # the first token put this long before its read's stamp (several tokens in one read)
 
     @property
     def dominant(self) -> str:
         return max(self.phases, key=self.phases.__getitem__) if self.phases else "none"
 
 
-def _sequences(t: RequestTiming) -> dict[int, tuple[list[int], list[float]]]:
-    """Content instants and token counts per choice."""
-    tokens = t.chunk_tokens if t.chunk_tokens is not None and len(t.chunk_tokens) == len(t.content_ns) else [1.0] * len(t.content_ns)
-    if not t.content_choice or len(set(t.content_choice)) == 1:
-        return {t.content_choice[0] if t.content_choice else 0: (t.content_ns, tokens)}
-    seqs: dict[int, tuple[list[int], list[float]]] = {}
-    for instant, choice, count in zip(t.content_ns, t.content_choice, tokens):
-        instants, counts = seqs.setdefault(choice, ([], []))
-        instants.append(instant)
-        counts.append(count)
-    return seqs
-
-
-def _carve(phases: dict[str, float], budget: float, failover: float, wait: float, network: float, tokenize: float) -> float:
+def _carve(phases: dict[str, float], budget: float, parts: tuple[tuple[str, float], ...]) -> float:
     """The phases before the server's, each capped at what `budget` (the upstream's share of the wait)
     has left, in this order, so that the server's part is never negative; what is left for it.
-    (`failover` only when an attempt was abandoned.)"""
-    for name, seconds in (("failover", failover), ("wait", wait), ("network", network), ("tokenize", tokenize)):
-        if name == "failover" and not seconds:
+    (`failover` and `lag` only when there was some; a part adds to a phase already there.)"""
+    for name, seconds in parts:
+        if not seconds and name in ("failover", "lag"):
             continue
         seconds = min(seconds, budget)
-        phases[name] = seconds
+        phases[name] = phases.get(name, 0.0) + seconds
         budget -= seconds
     return budget
 
@@ -240,39 +238,44 @@ def split(t: RequestTiming) -> Breakdown:
     upload = _s(t.send_start_ns, t.sent_ns) or 0.0
     wait = pool_wait or 0.0
     network = sum(connect.values()) + upload + (rtt if t.headers_ns is not None else 0.0)
+    lag_connect = _s(t.tcp_end_ns, t.tcp_seen_ns) or 0.0  # the connection was made; the loop saw it later
 
     gaps: list[float] = []
     itl: list[float] = []
     rates: list[float] = []
-    sequences = _sequences(t) if t.content_ns else {}
-    for instants, counts in sequences.values():
+    runs: dict[int, list[int]] = {}
+    seqs = sequences(t, runs) if t.content_ns else {}
+    for choice, (instants, counts) in seqs.items():
+        merged = runs[choice]
         seq_gaps = [(b - a) / NS for a, b in zip(instants, instants[1:])]
         gaps += seq_gaps
-        if t.chunk_tokens is None:  # one token per chunk: the gaps themselves
-            itl += seq_gaps
-        else:
-            itl += [gap / n if n > 0 else gap for gap, n in zip(seq_gaps, counts[1:])]
-        window = (instants[-1] - instants[0]) / NS
-        after = sum(counts[1:])
-        if window > 0 and after > 0:
-            rates.append(after / window)
-    first = t.content_ns[0] if t.content_ns else None
+        for gap, n, m in zip(seq_gaps, counts[1:], merged[1:]):  # (each chunk of a read: the read's mean gap per token)
+            itl += [gap / n if n > 0 else gap] * m
+        window_ns, after = window(t, instants, counts)
+        if window_ns > 0 and after > 0:
+            rates.append(after * NS / window_ns)
+    first = first_arrival(t, seqs) if t.content_ns else None
     last = max(t.content_ns) if t.content_ns else None
     ttft = _s(t.received_ns, first)
     decode = _s(first, last)
     decode_tps = sum(rates) / len(rates) if rates else None
 
     body_end = t.body_end_ns if t.body_end_ns is not None else t.received_ns
-    client = _s(t.received_ns, body_end) or 0.0
+    lag_in = _s(body_end, t.body_seen_ns) or 0.0  # the body was there; the loop read it later
     first_issued = t.first_issued_ns if t.first_issued_ns is not None else t.issued_ns
+    # The admission wait is the proxy's, all of it: a big body's end is read only once admitted (the server stops
+    # reading it past 64 KB), so the part of the wait before it is not the client's upload.
+    admission = _s(t.queued_ns, t.admitted_ns) or 0.0 if t.queued_ns is not None else 0.0
+    during_upload = 0.0
+    if admission and t.queued_ns is not None and t.admitted_ns is not None:
+        during_upload = max(0, min(t.admitted_ns, body_end) - max(t.queued_ns, t.received_ns)) / NS
+    client = max(0.0, (_s(t.received_ns, body_end) or 0.0) - during_upload)
     proxy_before = _s(body_end, first_issued) or 0.0
-    # The admission wait, where the client had nothing left to send (its part before that is the upload's).
-    admission = 0.0
-    if t.queued_ns is not None:
-        admission = _s(max(t.queued_ns, body_end), t.admitted_ns) or 0.0
     if first_issued is not None:
-        admission = min(admission, proxy_before)
-        proxy_before -= admission
+        lag_in = min(lag_in, proxy_before)
+        proxy_before -= lag_in
+        admission = min(admission, proxy_before + during_upload)
+        proxy_before -= admission - during_upload
     wait += admission
     failover = _s(first_issued, t.issued_ns) or 0.0 if t.first_issued_ns is not None else 0.0
     upstream_end = t.upstream_end_ns if t.upstream_end_ns is not None else end_ns
@@ -285,26 +288,39 @@ def split(t: RequestTiming) -> Breakdown:
     proxy_after -= client_after
     client += client_after
     phases = {"client": client, "proxy": proxy_before + proxy_after}
+    if lag_in:
+        phases["lag"] = lag_in
     proxy_first = 0.0
     tokenize = t.tokenize_prompt_s or 0.0
+    before = (("failover", failover), ("wait", wait), ("lag", lag_connect), ("network", network), ("tokenize", tokenize))
     if t.issued_ns is None:  # refused or failed before anything went upstream: the proxy's own time
-        phases["proxy"] = max(0.0, e2e - client)
+        lag_in = min(lag_in, max(0.0, e2e - client))
+        if lag_in:
+            phases["lag"] = lag_in
+        phases["proxy"] = max(0.0, e2e - client - lag_in)
         if admission:  # (of it, the wait for a slot)
             phases["wait"] = min(admission, phases["proxy"])
             phases["proxy"] -= phases["wait"]
     elif ttft is not None and first is not None:
-        rest = _carve(phases, max(0.0, ttft - client - proxy_before), failover, wait, network, tokenize)
+        rest = _carve(phases, max(0.0, ttft - client - proxy_before - lag_in), before)
         hidden = t.hidden_reasoning_tokens
         if hidden and decode_tps:
             phases["reasoning"] = min(rest, hidden / decode_tps)
             rest -= phases["reasoning"]
         phases["prefill"] = rest
+        # After its arrival: the first token waited for the loop (lag), then was relayed (proxy), the end read with it.
         decode_window = max(0, upstream_end - first) / NS
-        proxy_first = min(decode_window, _s(first, t.first_sent_ns) or 0.0)  # (the end read with it: the rest is after)
+        seen = min(max(t.first_seen_ns or first, first), t.first_sent_ns or first) if t.first_sent_ns else first
+        lag_first = min(decode_window, (seen - first) / NS)
+        proxy_first = min(decode_window - lag_first, _s(seen, t.first_sent_ns) or 0.0)
+        if lag_first:
+            phases["lag"] = phases.get("lag", 0.0) + lag_first
         phases["proxy"] += proxy_first
-        phases["decode"] = decode_window - proxy_first
+        phases["decode"] = decode_window - lag_first - proxy_first
     else:
-        phases["server"] = _carve(phases, max(0.0, e2e - client - phases["proxy"]), failover, wait, network, tokenize)
+        phases["server"] = _carve(phases, max(0.0, e2e - client - phases["proxy"] - lag_in), before)
+    if t.issued_ns is not None:
+        phases.setdefault("lag", 0.0)  # (present, 0 too, wherever bytes came from upstream: a prompt proxy says so)
     phases = refine(phases, t.engine)
     prefill_s = phases.get("prefill")
     uncached = t.prompt_tokens - (t.cached_prompt_tokens or 0) if t.prompt_tokens else None
@@ -321,12 +337,13 @@ def split(t: RequestTiming) -> Breakdown:
         inter_chunk_s=gaps,
         inter_token_s=itl,
         choice_decode_tps=rates,
-        choices=len(sequences),
+        choices=len(seqs),
         proxy_before_s=proxy_before,
         proxy_first_s=proxy_first,
         proxy_after_s=proxy_after,
         client_blocked_s=blocked,
         client_after_s=client_after,
+        inferred_s=(t.content_ns[0] - first) / NS if first is not None else 0.0,
     )
 
 

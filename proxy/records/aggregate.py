@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
 from . import columns as C
-from .sql import FIT_PARTS, KINDS, SAMPLE, SUMS, V3_SUMS, Window
+from .sql import FIT_PARTS, KINDS, MEAN_SUMS, SAMPLE, SUMS, Window
 
 if TYPE_CHECKING:
     from . import Backend, Filters
@@ -62,7 +62,7 @@ class Aggregate:
     cells: dict[int, collections.Counter[int]] = field(default_factory=lambda: collections.defaultdict(collections.Counter))
     slos: dict[str, Judged] = field(default_factory=lambda: collections.defaultdict(Judged))
     slo_requests: collections.Counter[str] = field(default_factory=collections.Counter)  # judged or not
-    sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(V3_SUMS, 0.0))  # over the ok requests (store version 3)
+    sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(MEAN_SUMS, 0.0))  # over the ok requests (store version 3, lag 6)
     known: int = 0  # ok requests whose rollup rows hold those sums (a version 2 replica's do not)
     samples: dict[str, list[tuple[float, float]]] = field(default_factory=lambda: {"prefill": [], "decode": []})
 
@@ -88,7 +88,7 @@ class Aggregate:
                     acc[i] += float(sums[f"{fit}_{part}"])
             if sums["e2e_sum"] is not None:
                 self.known += n
-                for name in V3_SUMS:
+                for name in MEAN_SUMS:
                     self.sums[name] += float(sums[name] or 0.0)
         if kinds["slo"]:
             self.slo_requests[kinds["slo"]] += n

@@ -50,7 +50,7 @@ HOUR_NS = 3600 * 1_000_000_000
 DAY_NS = 24 * HOUR_NS
 
 PHASES = ("client", "proxy", "network", "tokenize", "queue", "load", "reasoning", "prefill", "decode", "server", "wait",
-          "failover")  # (appended: codes stay)
+          "failover", "lag")  # (appended: codes stay)
 PHASE_CODES = {name: code for code, name in enumerate(PHASES, start=1)}  # 1-31
 OUTPUT, PROMPT, LOAD, QUEUE, DECODE_TPS, DECODE_ITL, LEVEL, CACHED = range(32, 40)  # (40: reserved)
 EXACT = frozenset({LEVEL})  # counted by value, not in a log bucket (64-67: reserved)

@@ -35,7 +35,7 @@ from .partitions import HIST, HIST_BLOCK, ROLLUP, TABLE
 
 log = logging.getLogger("llmproxy.records")
 
-LEVEL = 5  # 5: model_name (a record's own model where the aggregates fold it); 4: llmproxy_boots (crash accounting);
+LEVEL = 6  # 6: phase lag (the proxy's own delay behind bytes that had arrived); 5: model_name (a record's own model where the aggregates fold it); 4: llmproxy_boots (crash accounting);
 # 3: tenant, end user, phase failover; 2: typed columns, aggregates
 WRITERS_FROM = 3  # written as store_version: what a version-3 proxy sees as its own (it runs no migration then)
 MIGRATE_LOCK, INDEX_LOCK = 0x6C6D7001, 0x6C6D7005  # advisory locks ("lm" p n; 2-4: postgres.py, partitions.py)
@@ -68,6 +68,8 @@ STEPS: dict[int, tuple[tuple[str, ...], tuple[Index, ...]]] = {
         V3_INDEXES),
     3: ((BOOTS,), ()),
     4: ((f"ALTER TABLE {TABLE} ADD COLUMN IF NOT EXISTS model_name text",), ()),
+    5: ((f"ALTER TABLE {TABLE} ADD COLUMN IF NOT EXISTS ph_lag float8",
+         f"ALTER TABLE {ROLLUP} " + ", ".join(f"ADD COLUMN IF NOT EXISTS {name} float8" for name in A.V6_SUMS)), ()),
 }
 SCHEMA = (
     # The records: the typed columns (columns.py: rid, key, the end time that is the partition key, the

@@ -60,7 +60,9 @@ SUMS = (
     ("prompt", "sum(prompt)", "sum"),
     *((f"{name}_sum", f"sum({column})", "sum") for name, column in (("ttft", "ttft_s"), ("e2e", "duration_s"), *((p, f"ph_{p}") for p in C.PHASES))),
 )
-V3_SUMS = ("prompt", *(f"{name}_sum" for name in ("ttft", "e2e", *C.PHASES)))  # the columns store version 3 added
+V3_SUMS = ("prompt", *(f"{name}_sum" for name in ("ttft", "e2e", *C.PHASES[:C.PHASES.index("lag")])))  # the columns store version 3 added
+V6_SUMS = ("lag_sum",)  # ... and version 6
+MEAN_SUMS = V3_SUMS + V6_SUMS  # what a group's mean request is read from (aggregate.py)
 FIT_PARTS = tuple(part for part, _ in _FIT)
 FLOATS = ("_x", "_y", "_xx", "_xy", "_yy", "load_max", "_sum")  # the real-valued sums (the rest are integers)
 

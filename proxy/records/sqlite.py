@@ -34,7 +34,7 @@ from . import columns as C
 from . import sql as A
 from .migration import BOOTS, Newer
 
-STORE_VERSION = 5  # the level (migration.py has what each brought), the same as the fleet store's
+STORE_VERSION = 6  # the level (migration.py has what each brought), the same as the fleet store's
 WRITERS_FROM = 3  # written as store_version: the oldest writers that take this file as it is
 DEFAULT_MAX_ROWS = 1_000_000
 RETAIN_EVERY_S = 1.0
@@ -87,7 +87,8 @@ MIGRATIONS = {2: ("ALTER TABLE llmproxy_records ADD COLUMN tenant TEXT", "ALTER 
                   "ALTER TABLE llmproxy_rollup ADD COLUMN tenant TEXT NOT NULL DEFAULT 'unknown'",
                   *(f"ALTER TABLE llmproxy_rollup ADD COLUMN {name} {'REAL' if name.endswith(A.FLOATS) else 'INTEGER'}" for name in A.V3_SUMS)),
               3: (BOOTS,),
-              4: ("ALTER TABLE llmproxy_records ADD COLUMN model_name TEXT",)}
+              4: ("ALTER TABLE llmproxy_records ADD COLUMN model_name TEXT",),
+              5: ("ALTER TABLE llmproxy_records ADD COLUMN ph_lag REAL", *(f"ALTER TABLE llmproxy_rollup ADD COLUMN {name} REAL" for name in A.V6_SUMS))}
 
 
 def migrate(db: sqlite3.Connection) -> None:

@@ -25,6 +25,7 @@ from ..fleet import forecast
 from ..fleet.health import EJECT_REASONS, STATES
 from ..fleet.replica import Replica
 from ..fleet.routes import Router
+from ..measure import cpu
 from ..measure.meters import Meters, build_meters
 from ..measure.metrics import ProxyMetrics, multiprocess_enabled
 from ..measure.offload import Offload
@@ -169,6 +170,7 @@ class ProxyApp:
     async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
         self.metrics.child("llmproxy_max_fds").set(self.open_files)
         watcher = asyncio.create_task(self._sample_every_second()) if self.metrics.multiprocess else None
+        lag = asyncio.create_task(cpu.watch_loop(self.metrics.child("llmproxy_event_loop_lag_seconds").observe))
         if self.settings.routes or self.settings.slo or self.settings.tenants:
             try:  # (only the main thread of a process may; a test serving the app in a thread cannot)
                 asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.reload)
@@ -193,6 +195,7 @@ class ProxyApp:
         finally:
             if watcher is not None:
                 watcher.cancel()
+            lag.cancel()
             await self.telemetry.drain()  # every finished request exported before the exporters stop
             store = self.outbox
             if store is not None:  # what is buffered, written within the deadline (the rest: counted, `shutdown`)

@@ -114,7 +114,8 @@ class Exchange:
             admitted = True
             check_request(self.scope, app.client_keys)
             body = await read_body(self.scope, self.receive, app.settings, complete=bool(self.stamps["body_end_ns"]))
-            t.body_end_ns = self.stamps["body_end_ns"] or now_ns()  # its last byte read off the socket
+            t.body_end_ns = self.stamps["body_end_ns"] or now_ns()  # its last byte reached the socket
+            t.body_seen_ns = self.stamps.get("body_seen_ns") or t.body_end_ns  # ... and the loop read it
             if lost is not None:  # the server's protocol calls these when the client's connection closes (server.py)
                 lost.add(self._client_lost)
             else:  # (another ASGI server: a task waits on `receive` for http.disconnect)

@@ -6,8 +6,9 @@ headers, so a client trickling one header byte a second holds a connection forev
 after it opened or after its request began (armed only when a read ends with a request's head
 incomplete: a keep-alive request whose head came whole, the usual case, arms and cancels no timer).
 It also stamps, in the protocol callback, when a
-request's first byte and its body's last byte were read off the socket (`STAMPS` in the scope's
-extensions): the request's `received_ns` and the end of the client's upload. Stamped when the
+request's first byte and its body's last byte reached the socket (the kernel's stamp, when the loop
+read them late) and when the loop read the body's end (`STAMPS` in the scope's extensions): the
+request's `received_ns`, the end of the client's upload and the proxy's lag behind it. Stamped when the
 request's task first runs instead, a burst's later requests would hide the time they waited
 behind the earlier ones, which is the proxy's own time. It tells the relay when a client leaves
 mid-request (the "lost" stamp: no task per request waiting on the ASGI receive), and takes a
@@ -31,6 +32,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.utils import is_ssl
 
 from ..config import Settings
+from ..measure.arrival import arrived_ns
 from ..measure.timing import STAMPS, now_ns
 from ..upstream.pump import BodyWriter
 
@@ -83,7 +85,10 @@ class GuardedHttpTools(HttpToolsProtocol):
         super().on_message_begin()
         # "lost": the relay's callbacks for a client that leaves mid-request, instead of a task per request waiting
         # on the ASGI receive for http.disconnect (the set refers to no protocol: no cycle for the collector)
-        self._stamps = {"first_byte_ns": self._read_ns, "body_end_ns": 0, "blocked": [], "paused_ns": 0, "lost": self._lost}
+        # (when the bytes reached the socket, by the kernel: arrival.py; a loop late to them, e.g. under a CPU quota,
+        # must not make the client's upload look slow or its request look quick)
+        self._stamps = {"first_byte_ns": arrived_ns(self.transport.get_extra_info("socket"), self._read_ns), "body_end_ns": 0,
+                        "body_seen_ns": 0, "blocked": [], "paused_ns": 0, "lost": self._lost}
         self.scope["extensions"] = {STAMPS: self._stamps}  # type: ignore[dict-item]
         self._heading = True  # (the deadline is armed only if this read ends before the headers do: data_received)
 
@@ -105,7 +110,8 @@ class GuardedHttpTools(HttpToolsProtocol):
             self._stamps["paused_ns"] = 0
 
     def on_message_complete(self) -> None:
-        self._stamps["body_end_ns"] = self._read_ns
+        self._stamps["body_end_ns"] = arrived_ns(self.transport.get_extra_info("socket"), self._read_ns)
+        self._stamps["body_seen_ns"] = self._read_ns
         super().on_message_complete()
         if not self.pipeline:
             # Reading resumes, as the ASGI receive would once the app took the body (uvicorn pauses it past 64 KB of

@@ -12,7 +12,7 @@ const FILTERS = ["api", "model", "upstream", "instance", "tenant", "outcome", "s
 const verdict = (r) => r.slo_good === true ? "good" : (r.slo_good === false ? "miss" : null);
 const misses = (r) => (r.slo_missed || []).map((o) => `${o}: ${(r.slo_blame || {})[o]}`).join(", ");
 const filterValue = (r, f) => f === "verdict" ? verdict(r) : r[f];
-const PHASES = ["client", "failover", "wait", "network", "tokenize", "queue", "load", "reasoning", "prefill", "decode", "server", "proxy"];
+const PHASES = ["client", "failover", "wait", "network", "tokenize", "queue", "load", "reasoning", "prefill", "decode", "server", "proxy", "lag"];
 const LANE_PX = 800;            // the width of the time axis, for the longest request shown
 const state = {records: [], pxPerS: 0};
 const $ = (id) => document.getElementById(id);

@@ -6,9 +6,11 @@ parser, which made the proxy's upstream side cost more CPU per relayed chunk tha
 per read: the relay's own deadline (`asyncio.timeout_at`) bounds every wait on the body.
 
 The parser decodes chunked transfer encoding; each HTTP chunk stays its own piece, so nothing is
-coalesced. Each piece carries the instant its bytes were read off the socket (`read_ns`), taken
-here in the protocol callback, not when the relay's task next runs: on a busy event loop that
-task may wake milliseconds later, and a stamp taken then would overstate TTFT by as much.
+coalesced. Each piece carries the instant its bytes reached the socket (`read_ns`): the kernel's,
+measure/arrival.py, within a tick, when the loop read them late (a CPU quota, a burst), else the
+loop's own, taken here in the protocol callback, not when the relay's task next runs: on a busy
+event loop that task may wake milliseconds later, and a stamp taken then would overstate TTFT by
+as much. `seen_ns` is when the loop read the last bytes: from arrival to it, the proxy's own lag.
 
 A slow client: the pieces wait here, read ahead of the client, so every one keeps the stamp of
 when the upstream sent it (a stamp taken when a slow client let the relay read would be the
@@ -22,11 +24,12 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import Callable
+from typing import Any, Callable
 
 import httptools
 
 from ..errors import ReadError, RemoteProtocolError, WriteError
+from ..measure.arrival import arrived_ns
 from ..measure.timing import now_ns
 
 class Budget:
@@ -51,7 +54,9 @@ class Connection(asyncio.Protocol):
         self.error: Exception | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._drained: asyncio.Future[None] | None = None
-        self._now = 0  # the instant the bytes being parsed were read off the socket
+        self._now = 0  # the instant the bytes being parsed reached the socket (arrival.py)
+        self.seen_ns = 0  # ... and when the loop read them
+        self.sock: Any = None  # the TCP socket (uvloop's stand-in), asked when bytes arrived
         self.rtt_s: float | None = None  # the kernel's smoothed RTT of this socket, as last read (pool.py)
         self.rtt_ns = 0  # when it was read
         self._reset()
@@ -88,9 +93,11 @@ class Connection(asyncio.Protocol):
     # -- asyncio.Protocol -------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.sock = transport.get_extra_info("socket")  # (the TCP socket's: a TLS transport made later keeps it)
 
     def data_received(self, data: bytes) -> None:
-        self._now = now_ns()
+        self.seen_ns = seen = now_ns()
+        self._now = arrived_ns(self.sock, seen)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:

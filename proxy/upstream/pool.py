@@ -27,6 +27,7 @@ from typing import Any, Awaitable, Callable
 
 from ..config import Settings
 from ..errors import ConnectError, ConnectTimeout, EgressError, ProxyOverloaded, TransportError, WriteTimeout
+from ..measure.arrival import handshake_rtt_ns
 from ..measure.timing import RequestTiming, now_ns
 from . import egress
 from .connection import Budget, Connection
@@ -204,7 +205,7 @@ class Pool:
             addresses = [str(info[4][0]) for info in infos] or addresses
         last: Exception | None = None
         for address in addresses:
-            timing.tcp_start_ns = now_ns()
+            timing.tcp_start_ns = started = now_ns()
             try:
                 transport, connection = await loop.create_connection(lambda: Connection(loop, self.budget), address, port)
                 break
@@ -214,7 +215,12 @@ class Pool:
             if proxy is not None:
                 raise EgressError(f"the egress proxy {proxy.where}: {last or 'no address'}") from last
             raise ConnectError(f"{last or 'no address'}") from last
-        timing.tcp_end_ns = now_ns()
+        # Connected when the SYN-ACK came, by the kernel's first RTT sample; not when this task woke (a loop
+        # late by a CPU quota would book its own delay as network).
+        timing.tcp_end_ns = timing.tcp_seen_ns = now_ns()
+        rtt_ns = handshake_rtt_ns(connection.sock)
+        if rtt_ns and started + rtt_ns < timing.tcp_end_ns:
+            timing.tcp_end_ns = started + rtt_ns
         if proxy is not None and self.ssl_context is not None:
             timing.proxy_start_ns = now_ns()
             try:

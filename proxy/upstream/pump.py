@@ -70,7 +70,7 @@ NON_STREAM_BODY_LIMIT = 16 * 1024 * 1024  # bytes kept for reading usage from a 
 class Pump:
     __slots__ = ("t", "send", "reader", "rewrite", "framed", "json_body", "kept", "silence", "loop", "idle", "grace", "grace_ns",
                  "move_at_ns", "decoding", "sending", "writer", "held", "release", "on_first", "held_bytes", "budget", "waiting",
-                 "unholding", "task")
+                 "unholding", "task", "response")
 
     def __init__(self, t: RequestTiming, send: Callable[[dict[str, Any]], Awaitable[None]], reader: Reader | None, rewrite: bool,
                  json_body: list[bytes] | None, silence: asyncio.Timeout | None, idle_s: float, writer: BodyWriter | None,
@@ -96,6 +96,7 @@ class Pump:
         self.unholding = False
         self.task: asyncio.Task[Any] | None = None
         self.on_first = on_first  # told when the first content token came (the replica's pending prefill work, its health)
+        self.response: Connection | None = None  # (`run`'s: when the loop read the first token, its `seen_ns`)
 
     def _moved(self, now: int) -> None:
         """Move the inter-chunk limit (called when `move_at_ns` is past, or at the first token)."""
@@ -114,8 +115,10 @@ class Pump:
             self.kept += len(chunk)
 
     def _first_token(self, sent: int) -> None:
-        """This piece held the first token: when it was handed on; the inter-chunk limit starts."""
+        """This piece held the first token: when the loop read it and when it was handed on; the inter-chunk limit starts."""
         self.decoding, self.t.first_sent_ns = True, sent
+        if self.response is not None:
+            self.t.first_seen_ns = self.response.seen_ns
         self._moved(sent)
         if self.on_first is not None:
             self.on_first()
@@ -206,6 +209,7 @@ class Pump:
     async def run(self, response: Connection) -> None:
         """The task's loop: the pieces the fast way did not take, then the end of the response."""
         t, send, read = self.t, self.send, response.read
+        self.response = response
         if self.held is not None:
             await self._hold(response)
         response.fast = self.forward if self.writer is not None and self.held is None else None

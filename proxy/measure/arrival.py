@@ -1,0 +1,67 @@
+"""When bytes reached a socket, from the kernel: a stamp the proxy's own scheduling cannot move.
+
+Under a CPU quota (a Kubernetes limit), a noisy neighbour, a GC pause or a burst, the event loop runs
+late, and bytes wait in the socket's buffer until it gets to them. A stamp taken when the loop reads
+them would put the proxy's own delay into the engine's phases (queue, prefill, decode) and into the
+network. The kernel notes when the last data segment arrived on a TCP socket: `tcpi_last_data_recv`
+of TCP_INFO, the milliseconds since then, kept in jiffies (resolution: the kernel's tick, 4 ms at
+HZ=250, 1 ms at HZ=1000). Why not SO_TIMESTAMPNS: it is exact, but its stamp rides on `recvmsg`, and
+uvloop's transports read with `recv`, which drops it; TCP_INFO is one `getsockopt` on the same socket
+(about 1 µs a read here, bench/RESULTS.md).
+
+The estimate is the latest instant the arrival can have been, never later than the loop's own stamp:
+- 0 ms: the segment arrived in this tick, and the loop's stamp stands (a prompt loop: exact);
+- n ticks ago: it arrived within the tick that began n ticks before the current one (whose start is
+  CLOCK_MONOTONIC_COARSE, the same clock as `time.monotonic_ns`, kept at the tick): that tick's end.
+So a late read is stamped at most one tick after its bytes arrived, and never before they did.
+
+What no stamp can show: bytes that arrived in several segments while the loop was away are one read,
+stamped with the last segment's arrival (the kernel also merges queued segments, with the newest
+stamp). timing.split() reads a run of equal stamps as one such read.
+"""
+from __future__ import annotations
+
+import socket
+import time
+from typing import Any
+
+_COARSE = getattr(time, "CLOCK_MONOTONIC_COARSE", 6)  # (Linux's clock id: Python names it only on some builds)
+_TCP_INFO = getattr(socket, "TCP_INFO", None)
+_LAST_DATA_RECV = 52  # struct tcp_info: 8 bytes of u8 fields, then u32s; tcpi_last_data_recv (ms) is the 12th
+try:
+    TICK_NS = round(time.clock_getres(_COARSE) * 1e9) if _TCP_INFO is not None else 0
+except OSError:  # (not Linux: no coarse clock, no TCP_INFO)
+    TICK_NS = 0
+_HALF_TICK_NS = TICK_NS // 2
+_IPPROTO_TCP = socket.IPPROTO_TCP
+
+
+def arrived_ns(sock: Any, now: int) -> int:
+    """When the last bytes read from `sock` (a TCP socket, or uvloop's stand-in for one) reached it, `now`
+    being the loop's stamp of the read; `now` where the kernel cannot say."""
+    if not TICK_NS or sock is None:
+        return now
+    try:
+        info: bytes = sock.getsockopt(_IPPROTO_TCP, _TCP_INFO, 56)
+    except (OSError, AttributeError, TypeError):  # (not TCP: a Unix socket, a closed one)
+        return now
+    if len(info) < 56:
+        return now
+    ms = int.from_bytes(info[_LAST_DATA_RECV:56], "little")
+    if ms == 0:
+        return now
+    ticks = (ms * 1_000_000 + _HALF_TICK_NS) // TICK_NS
+    latest: int = time.clock_gettime_ns(_COARSE) - (ticks - 1) * TICK_NS
+    return latest if latest < now else now
+
+
+def handshake_rtt_ns(sock: Any) -> int:
+    """The kernel's first RTT sample of a socket just connected: its SYN to the SYN-ACK (0: none; a SYN
+    sent again is not sampled)."""
+    if _TCP_INFO is None or sock is None:
+        return 0
+    try:
+        info: bytes = sock.getsockopt(_IPPROTO_TCP, _TCP_INFO, 72)
+    except (OSError, AttributeError, TypeError):
+        return 0
+    return int.from_bytes(info[68:72], "little") * 1000 if len(info) >= 72 else 0

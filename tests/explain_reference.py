@@ -12,7 +12,7 @@ from typing import Any
 from proxy.answers.explain import diagnosis, roofline
 from proxy.measure.slo import Objective
 
-PHASES = ("client", "wait", "network", "tokenize", "queue", "load", "prefill", "reasoning", "decode", "server", "proxy")  # (wait: the proxy's own pool wait, a phase since records had it)
+PHASES = ("client", "wait", "network", "tokenize", "queue", "load", "prefill", "reasoning", "decode", "server", "proxy", "lag")  # (wait: the proxy's own pool wait, a phase since records had it; lag: since store level 6)
 MAX_PAIRS_POINTS = 300  # points sampled for the pairwise slopes (45,000 pairs)
 MIN_LEVELS = 3
 MIN_PER_LEVEL = 3

@@ -1,6 +1,6 @@
 """Agent-sized requests: a coding agent's conversation through this proxy and through Envoy, side by side.
 
-    ENVOY=.venv-envoy/bin/envoy .venv/bin/python -m bench.relay agent [--turns 40] [--apis chat responses messages gemini] [--before DIR] [-- proxy flags]
+    ENVOY=.venv-envoy/bin/envoy .venv/bin/python -m bench.relay agent [--turns 40] [--sessions 1] [--apis chat responses messages gemini] [--before DIR] [-- proxy flags]
     .venv/bin/python -m bench.relay agent --ab DIR_A DIR_B [--api chat] [--rounds 10]   # A/B, alternating rounds (`ab`)
 
 The conversation is what Claude Code, Codex CLI or Gemini CLI send: a 170 KB system prompt and 30
@@ -12,7 +12,8 @@ Messages with `system` and `tools`, Gemini with `systemInstruction` and `tools`)
 through each relay one after the other, interleaved per turn. Reported per relay: CPU per request
 (every thread of the relay's processes, the proxy's offload worker included), the added TTFT p50
 against the same request sent direct, and, for this proxy, the `tokenize` figure its records give
-turn 1 and turn 40 of the same conversation. Each relay is warmed first with one request of another
+turn 1 and turn 40 of the same conversation. With `--sessions N`, N such conversations, each with its own system
+prompt, interleaved turn by turn (5 x 40: what a proxy in front of several agents sees). Each relay is warmed first with one request of another
 system prompt (the proxy's worker loads its BPE table once, at its first big prompt).
 """
 from __future__ import annotations
@@ -63,9 +64,9 @@ def tool_schemas(count: int = 30, seed: int = 2) -> list[dict[str, Any]]:
     return tools
 
 
-def turn_bodies(api: str, turns: int) -> list[tuple[str, dict[str, Any]]]:
+def turn_bodies(api: str, turns: int, seed: int = 1) -> list[tuple[str, dict[str, Any]]]:
     """(path, body) of each turn: the same system prompt and tools, the conversation one exchange longer."""
-    system, tools = system_prompt(), tool_schemas()
+    system, tools = system_prompt(seed=seed), tool_schemas()
     history: list[tuple[str, str]] = []
     out = []
     for turn in range(turns):
@@ -90,6 +91,13 @@ def turn_bodies(api: str, turns: int) -> list[tuple[str, dict[str, Any]]]:
                                                              for t in tools]}]}))
         history.append(("assistant", " ".join(WORDS[(turn + k) % len(WORDS)] for k in range(20))))
     return out
+
+
+def conversations(api: str, turns: int, sessions: int) -> list[tuple[str, dict[str, Any]]]:
+    """`sessions` conversations, each with its own system prompt (as different agents, or one agent's sessions whose
+    prompts embed their working directory and date), interleaved turn by turn: turn 1 of each, then turn 2 of each..."""
+    each = [turn_bodies(api, turns, seed=1 + 100 * k) for k in range(sessions)]
+    return [each[k][turn] for turn in range(turns) for k in range(sessions)]
 
 
 def one(client: httpx.Client, base: str, path: str, body: bytes) -> float:
@@ -128,15 +136,15 @@ def ab(sources: list[str], api: str, rounds: int) -> int:
         time.sleep(2.0)
         for r in range(rounds):
             order = sources if r % 2 == 0 else sources[::-1]
-            started = {src: (common.tree_cpu_seconds(pid), common.cpu_seconds(pid)) for src, (_, pid) in relays.items()}
+            started = {src: (common.cpu_seconds(pid), common.process_cpu_seconds(pid)) for src, (_, pid) in relays.items()}
             for path, raw in bodies:
                 one(client, f"http://127.0.0.1:{sim}", path, raw)
                 for src in order:
                     one(client, relays[src][0], path, raw)
             time.sleep(1.5)  # (the last turn's finish, its records)
             for src, (_, pid) in relays.items():
-                every[src].append((common.tree_cpu_seconds(pid) - started[src][0]) * 1000 / len(bodies))
-                serving[src].append((common.cpu_seconds(pid) - started[src][1]) * 1000 / len(bodies))
+                every[src].append((common.cpu_seconds(pid) - started[src][0]) * 1000 / len(bodies))
+                serving[src].append((common.process_cpu_seconds(pid) - started[src][1]) * 1000 / len(bodies))
             print(f"round {r + 1}: " + "  ".join(f"{src}: {every[src][-1]:.2f} ms ({serving[src][-1]:.2f})" for src in sources), flush=True)
     print(f"\ncommand: .venv/bin/python -m bench.relay agent {' '.join(sys.argv[1:])}; ms of CPU per turn, every process (the serving process's)")
     for src in sources:
@@ -151,6 +159,7 @@ def ab(sources: list[str], api: str, rounds: int) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--turns", type=int, default=40)
+    parser.add_argument("--sessions", type=int, default=1, help="conversations, each its own system prompt, interleaved turn by turn")
     parser.add_argument("--apis", nargs="+", default=["chat", "responses", "messages", "gemini"])
     parser.add_argument("--before", default="")
     parser.add_argument("--ab", nargs="+", default=[], metavar="DIR", help="A/B: these checkouts only, turn by turn in alternating rounds (`ab`)")
@@ -185,20 +194,20 @@ def main() -> int:
             one(client, f"http://127.0.0.1:{port}", warm_path, json.dumps(warm).encode())
         time.sleep(3.0)
         for api in args.apis:
-            bodies = [(path, json.dumps(body).encode()) for path, body in turn_bodies(api, args.turns)]
+            bodies = [(path, json.dumps(body).encode()) for path, body in conversations(api, args.turns, args.sessions)]
             ttft: dict[str, list[float]] = {name: [] for name in [*ports, "direct"]}
             # Each relay's process does only its own requests' work: its CPU over the whole
             # conversation, the finish of the last turn included (tokenize, records), per turn.
-            started_cpu = {name: common.tree_cpu_seconds(pid) for name, pid in pids.items()}
-            started_own = {name: common.cpu_seconds(pid) for name, pid in pids.items()}
+            started_cpu = {name: common.cpu_seconds(pid) for name, pid in pids.items()}
+            started_own = {name: common.process_cpu_seconds(pid) for name, pid in pids.items()}
             for path, raw in bodies:  # one turn through each relay (and direct), then the next turn
                 ttft["direct"].append(one(client, compare.SIM_URL, path, raw))
                 for name, port in ports.items():
                     ttft[name].append(one(client, f"http://127.0.0.1:{port}", path, raw))
             time.sleep(1.5)
-            cpu = {name: common.tree_cpu_seconds(pid) - started_cpu[name] for name, pid in pids.items()}
-            own = {name: common.cpu_seconds(pid) - started_own[name] for name, pid in pids.items()}
-            records = {name: httpx.get(f"http://127.0.0.1:{port}/llmproxy/requests", params={"limit": args.turns}).json()
+            cpu = {name: common.cpu_seconds(pid) - started_cpu[name] for name, pid in pids.items()}
+            own = {name: common.process_cpu_seconds(pid) - started_own[name] for name, pid in pids.items()}
+            records = {name: httpx.get(f"http://127.0.0.1:{port}/llmproxy/requests", params={"limit": len(bodies)}).json()
                        for name, port in ports.items() if name != "envoy"}
             direct = statistics.median(ttft["direct"])
             for name in ports:
@@ -210,7 +219,7 @@ def main() -> int:
                                prompt_tokens=(r[0]["prompt_tokens"], r[-1]["prompt_tokens"]), body_kb=len(bodies[-1][1]) / 1000)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    print(f"\ncommand: ENVOY=.venv-envoy/bin/envoy .venv/bin/python -m bench.relay agent {' '.join(sys.argv[1:])}; {args.turns} turns per API, "
+    print(f"\ncommand: ENVOY=.venv-envoy/bin/envoy .venv/bin/python -m bench.relay agent {' '.join(sys.argv[1:])}; {args.sessions} x {args.turns} turns per API, "
           "CPU per request is the mean over the turns")
     print("| api | relay | CPU per request (ms) | ÷ Envoy's | of it the serving process (ms) | added TTFT p50 (ms) | tokenize, turn 1 / last (ms) | prompt tokens, turn 1 / last |")
     print("|---|---|---|---|---|---|---|---|")

@@ -47,9 +47,9 @@ def main() -> None:
                     compare.schedule(compare.SWEEP_SCHEDULE)
                     out = [f"{server:8s} seq added p50 {common.pct(seq['added_ttft'], .5)*1e3:.3f} ms"]
                     for streams in (1, 16, 64):
-                        b = common.tree_cpu_seconds(proc.pid)
+                        b = common.cpu_seconds(proc.pid)
                         r = asyncio.run(compare.concurrent((port, "/v1"), streams, 4))
-                        out.append(f"c{streams} {(common.tree_cpu_seconds(proc.pid) - b) / r['chunks'] * 1e6:.1f} us/chunk")
+                        out.append(f"c{streams} {(common.cpu_seconds(proc.pid) - b) / r['chunks'] * 1e6:.1f} us/chunk")
                     bursts = asyncio.run(compare.burst((port, "/v1"), 64, 4))
                     out.append(f"burst p50 {common.pct(bursts['ttft'], .5)*1e3:.1f} ms")
                     print(' | '.join(out), flush=True)

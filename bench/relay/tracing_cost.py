@@ -60,11 +60,11 @@ def main() -> int:
                 direct_burst = asyncio.run(compare.burst((sim_port, "/v1"), args.streams, 2))
                 order = list(ports)[round_ % len(ports):] + list(ports)[:round_ % len(ports)]  # rotated per round
                 for name in order:
-                    before, before_tree = common.cpu_seconds(pids[name]), common.tree_cpu_seconds(pids[name])
+                    before, before_tree = common.process_cpu_seconds(pids[name]), common.cpu_seconds(pids[name])
                     loop = asyncio.run(compare.concurrent((ports[name], "/v1"), args.streams, args.seconds))
                     time.sleep(0.5)  # the last spans reach the export worker
-                    cpu = (common.cpu_seconds(pids[name]) - before) / max(1, loop["chunks"])
-                    cpu_tree = (common.tree_cpu_seconds(pids[name]) - before_tree) / max(1, loop["chunks"])
+                    cpu = (common.process_cpu_seconds(pids[name]) - before) / max(1, loop["chunks"])
+                    cpu_tree = (common.cpu_seconds(pids[name]) - before_tree) / max(1, loop["chunks"])
                     bursts = asyncio.run(compare.burst((ports[name], "/v1"), args.streams, 2))
                     f = figures[name]
                     f.setdefault("added TTFT p50, closed loop (ms)", []).append(1000 * (common.pct(loop["ttft"], 0.5) - common.pct(direct["ttft"], 0.5)))

@@ -113,7 +113,7 @@ def proxy_pids(pid: int) -> list[int]:
 
 def sample(pids: list[int]) -> tuple[float, float, int]:
     """(RSS MiB, CPU seconds, descriptors) summed over the processes."""
-    return (sum(common.memory_mb(p) for p in pids), sum(common.cpu_seconds(p) for p in pids),
+    return (sum(common.memory_mb(p) for p in pids), sum(common.process_cpu_seconds(p) for p in pids),
             sum(len(os.listdir(f"/proc/{p}/fd")) for p in pids))
 
 

@@ -50,12 +50,12 @@ def main(rounds: int = 5, seconds: float = 5.0) -> int:
         for round_ in range(rounds):
             for name in (list(arms) if round_ % 2 == 0 else list(arms)[::-1]):
                 children = common.descendants(pids[name])
-                before, writer_before = common.cpu_seconds(pids[name]), sum(common.cpu_seconds(c) for c in children)
+                before, writer_before = common.process_cpu_seconds(pids[name]), sum(common.process_cpu_seconds(c) for c in children)
                 result = asyncio.run(compare.non_streaming((ports[name], "/v1"), seconds))
                 requests = result["rps"] * seconds
                 figures[name]["rps"].append(result["rps"])
-                figures[name]["cpu_us"].append((common.cpu_seconds(pids[name]) - before) / max(1.0, requests) * 1e6)
-                figures[name]["writer_us"].append((sum(common.cpu_seconds(c) for c in children) - writer_before) / max(1.0, requests) * 1e6)
+                figures[name]["cpu_us"].append((common.process_cpu_seconds(pids[name]) - before) / max(1.0, requests) * 1e6)
+                figures[name]["writer_us"].append((sum(common.process_cpu_seconds(c) for c in children) - writer_before) / max(1.0, requests) * 1e6)
     print(f"command: .venv/bin/python -m bench.store records-cost{' --before ' + args.before if args.before else ''}; {rounds} interleaved "
           f"rounds of {seconds:g} s, medians")
     print("| | non-streaming req/s | serving process CPU µs per request | its records writer process's |")

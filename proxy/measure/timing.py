@@ -261,7 +261,9 @@ def split(t: RequestTiming) -> Breakdown:
     decode_tps = sum(rates) / len(rates) if rates else None
 
     body_end = t.body_end_ns if t.body_end_ns is not None else t.received_ns
-    lag_in = _s(body_end, t.body_seen_ns) or 0.0  # the body was there; the loop read it later
+    # The body was there; the loop read it later (not while the request waited for admission: then the server
+    # stops reading a large body, and that time is the wait's).
+    lag_in = _s(max(body_end, t.admitted_ns or 0), t.body_seen_ns) or 0.0
     first_issued = t.first_issued_ns if t.first_issued_ns is not None else t.issued_ns
     # The admission wait is the proxy's, all of it: a big body's end is read only once admitted (the server stops
     # reading it past 64 KB), so the part of the wait before it is not the client's upload.

@@ -62,6 +62,7 @@ def test_a_proxy_stopped_most_of_the_time_books_its_delay_as_lag_and_the_engine_
         stopper.start()
         try:
             stream(port)
+            time.sleep(2.0)  # (stopped on: the loop's probe, four timers a second at random, samples more stalls)
         finally:
             stop.set()
             stopper.join()
@@ -69,7 +70,7 @@ def test_a_proxy_stopped_most_of_the_time_books_its_delay_as_lag_and_the_engine_
         record = records(port, 2)[-1]
         scrape = httpx.get(f"http://127.0.0.1:{port}/metrics").text  # (one scrape: its count and buckets agree)
         lag_count = float(re.search(r"^llmproxy_event_loop_lag_seconds_count (\S+)$", scrape, re.M).group(1))  # type: ignore[union-attr]
-        lag_fast = float(re.search(r'^llmproxy_event_loop_lag_seconds_bucket\{le="0.05"\} (\S+)$', scrape, re.M).group(1))  # type: ignore[union-attr]
+        lag_fast = float(re.search(r'^llmproxy_event_loop_lag_seconds_bucket\{le="0.025"\} (\S+)$', scrape, re.M).group(1))  # type: ignore[union-attr]
     finally:
         proxy.stop()
     phases = record["phases_s"]
@@ -81,7 +82,7 @@ def test_a_proxy_stopped_most_of_the_time_books_its_delay_as_lag_and_the_engine_
     assert phases["network"] < 0.005
     assert record["decode_tokens_per_second"] == pytest.approx(rate, rel=0.03)
     assert phases["lag"] > 0.010  # the delay is named (a stop that lands on the proxy's own work mid-way is in its phase proxy)
-    assert lag_fast < lag_count, re.findall(r"^llmproxy_event_loop_lag_seconds.*$", scrape, re.M)  # the loop's probe saw timers over 50 ms late
+    assert lag_fast < lag_count, re.findall(r"^llmproxy_event_loop_lag_seconds.*$", scrape, re.M)  # the loop's probe saw timers over 25 ms late
 
 
 def test_cgroup_files_of_v1_and_v2_are_found_and_read(tmp_path):

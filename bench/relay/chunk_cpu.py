@@ -12,7 +12,8 @@ one-connection-each figure less the keep-alive one).
 `--also NAME=DIR` adds more checkouts under their own names (e.g. `interpreted=/tmp/pure`, a copy of
 this tree without its compiled modules: the mypyc build's share, beside the rest of a change's).
 
-CPU is every thread of each relay's process (/proc/PID/task/*/schedstat), per chunk the client
+CPU is every thread of each relay's process tree (/proc/PID/task/*/schedstat of it and every process under it: the records
+writer and the tokenizer worker are the pod's CPU too; Envoy has none), per chunk the client
 received; the per-request work (finish, records, metrics) is in it, as in compare.py. The table
 gives medians of the rounds and each system's ratio to Envoy's in the same run.
 """

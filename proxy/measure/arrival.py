@@ -7,7 +7,7 @@ network. The kernel notes when the last data segment arrived on a TCP socket: `t
 of TCP_INFO, the milliseconds since then, kept in jiffies (resolution: the kernel's tick, 4 ms at
 HZ=250, 1 ms at HZ=1000). Why not SO_TIMESTAMPNS: it is exact, but its stamp rides on `recvmsg`, and
 uvloop's transports read with `recv`, which drops it; TCP_INFO is one `getsockopt` on the same socket
-(about 1 µs a read here, bench/RESULTS.md).
+(about 0.4 µs a read here, on a socket object of our own: `socket_of`; bench/RESULTS.md).
 
 The estimate is the latest instant the arrival can have been, never later than the loop's own stamp:
 - 0 ms: the segment arrived in this tick, and the loop's stamp stands (a prompt loop: exact);
@@ -34,6 +34,25 @@ except OSError:  # (not Linux: no coarse clock, no TCP_INFO)
     TICK_NS = 0
 _HALF_TICK_NS = TICK_NS // 2
 _IPPROTO_TCP = socket.IPPROTO_TCP
+
+
+def socket_of(transport: Any) -> socket.socket | None:
+    """A socket object on a transport's descriptor, for `arrived_ns`, kept for the connection's life and given back with
+    `let_go` (it never closes the descriptor: the transport does). uvloop's own stand-in makes a socket object and asks
+    the kernel for its address at each call (three system calls and an object per read, where this is one call)."""
+    raw = transport.get_extra_info("socket")
+    if raw is None or not TICK_NS:
+        return None
+    try:
+        return socket.socket(raw.family, raw.type, raw.proto, raw.fileno())
+    except (OSError, AttributeError, ValueError):
+        return None
+
+
+def let_go(sock: socket.socket | None) -> None:
+    """The descriptor is the transport's: detached, never closed here."""
+    if sock is not None:
+        sock.detach()
 
 
 def arrived_ns(sock: Any, now: int) -> int:

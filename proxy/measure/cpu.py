@@ -20,7 +20,7 @@ from typing import Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-PROBE_S = 0.1  # the loop's probe: ten timers a second on average, at random (a throttled period's stall, up to 100 ms, is seen)
+PROBE_S = 0.25  # the loop's probe: four timers a second on average, at random (a quota's stalls, up to 100 ms, are sampled)
 
 
 @dataclass(frozen=True)
@@ -101,13 +101,26 @@ class CgroupCollector:
             yield family
 
 
-async def watch_loop(observe: Callable[[float], None], every_s: float = PROBE_S) -> None:
-    """Forever: a timer every `every_s` on average, and how late it fired (the loop's lag) observed. Each wait is
-    drawn between half and one and a half of it: a fixed one would lock onto a CPU quota's period (100 ms), each
-    timer falling due just after the throttling ends, and see none of it (tests/test_cpu.py found it)."""
-    draw = random.Random()
-    while True:
-        wait_s = every_s * (0.5 + draw.random())
-        due = time.monotonic_ns() + int(wait_s * 1e9)
-        await asyncio.sleep(wait_s)
-        observe(max(0, time.monotonic_ns() - due) / 1e9)
+class LoopLag:
+    """How late the event loop runs a timer: one set every `every_s` on average, each wait drawn between half and one
+    and a half of it (a fixed one would lock onto a CPU quota's period, 100 ms, each timer falling due just after the
+    throttling ends, and see none of it: tests/test_cpu.py found it). A plain timer callback, no task: a few µs each."""
+
+    def __init__(self, observe: Callable[[float], None], every_s: float = PROBE_S) -> None:
+        self.observe, self.every_s = observe, every_s
+        self.draw = random.Random()
+        self.due_ns = 0
+        self.handle: asyncio.TimerHandle | None = None
+
+    def start(self) -> None:
+        wait_s = self.every_s * (0.5 + self.draw.random())
+        self.due_ns = time.monotonic_ns() + int(wait_s * 1e9)
+        self.handle = asyncio.get_running_loop().call_later(wait_s, self._fired)
+
+    def _fired(self) -> None:
+        self.observe(max(0, time.monotonic_ns() - self.due_ns) / 1e9)
+        self.start()
+
+    def stop(self) -> None:
+        if self.handle is not None:
+            self.handle.cancel()

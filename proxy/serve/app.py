@@ -170,7 +170,8 @@ class ProxyApp:
     async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
         self.metrics.child("llmproxy_max_fds").set(self.open_files)
         watcher = asyncio.create_task(self._sample_every_second()) if self.metrics.multiprocess else None
-        lag = asyncio.create_task(cpu.watch_loop(self.metrics.child("llmproxy_event_loop_lag_seconds").observe))
+        lag = cpu.LoopLag(self.metrics.child("llmproxy_event_loop_lag_seconds").observe)
+        lag.start()
         if self.settings.routes or self.settings.slo or self.settings.tenants:
             try:  # (only the main thread of a process may; a test serving the app in a thread cannot)
                 asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.reload)
@@ -195,7 +196,7 @@ class ProxyApp:
         finally:
             if watcher is not None:
                 watcher.cancel()
-            lag.cancel()
+            lag.stop()
             await self.telemetry.drain()  # every finished request exported before the exporters stop
             store = self.outbox
             if store is not None:  # what is buffered, written within the deadline (the rest: counted, `shutdown`)

@@ -29,7 +29,7 @@ from typing import Any, Callable
 import httptools
 
 from ..errors import ReadError, RemoteProtocolError, WriteError
-from ..measure.arrival import arrived_ns
+from ..measure.arrival import arrived_ns, let_go, socket_of
 from ..measure.timing import now_ns
 
 class Budget:
@@ -93,7 +93,7 @@ class Connection(asyncio.Protocol):
     # -- asyncio.Protocol -------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        self.sock = transport.get_extra_info("socket")  # (the TCP socket's: a TLS transport made later keeps it)
+        self.sock = socket_of(transport)  # (the TCP socket's: a TLS transport made later keeps it)
 
     def data_received(self, data: bytes) -> None:
         self.seen_ns = seen = now_ns()
@@ -119,6 +119,8 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        let_go(self.sock)
+        self.sock = None
         if self.headers_done and not self.complete and not self.length_known and exc is None:
             self.complete = True
             self._end_ns = now_ns()

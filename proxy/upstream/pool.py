@@ -169,7 +169,7 @@ class Pool:
             connection.head_only()
         if connection.transport is not None:
             if not connection.rtt_ns or sent - connection.rtt_ns >= RTT_EVERY_NS:
-                connection.rtt_s, connection.rtt_ns = socket_rtt_s(connection.transport.get_extra_info("socket")), sent
+                connection.rtt_s, connection.rtt_ns = socket_rtt_s(connection.sock or connection.transport.get_extra_info("socket")), sent
             timing.rtt_s = connection.rtt_s
         return connection
 

@@ -43,6 +43,7 @@ class Admission:
         self.queue_s = queue_s
         self.weight = weight  # a tenant's weight (the tenants file's, read at each use: a reload applies at once)
         self.in_flight = 0
+        self.on_busy: Callable[[], None] | None = None  # told when a request enters an idle proxy (the loop's probe: cpu.py)
         self.held: dict[str, int] = {}  # tenant -> admitted, in flight (only with a cap)
         self.queues: dict[str, deque[asyncio.Future[None]]] = {}  # tenant -> its waiters, oldest first
         self._turn = 0  # round robin among equals
@@ -62,6 +63,8 @@ class Admission:
     def _admit(self, tenant: str) -> None:
         self.in_flight += 1
         self.held[tenant] = self.held.get(tenant, 0) + 1
+        if self.in_flight == 1 and self.on_busy is not None:
+            self.on_busy()
 
     def _may_enter(self, tenant: str) -> bool:
         """Under its share; or borrowing, while the cap has room beyond one slot kept for the next
@@ -79,6 +82,8 @@ class Admission:
         back for one more, and nobody waiting)."""
         if not self.cap:
             self.in_flight += 1
+            if self.in_flight == 1 and self.on_busy is not None:
+                self.on_busy()
             return True
         if self.queues:  # others wait: only a tenant under its share goes ahead of them
             admitted = self.held.get(tenant, 0) < int(self.share(tenant))

@@ -170,8 +170,9 @@ class ProxyApp:
     async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
         self.metrics.child("llmproxy_max_fds").set(self.open_files)
         watcher = asyncio.create_task(self._sample_every_second()) if self.metrics.multiprocess else None
-        lag = cpu.LoopLag(self.metrics.child("llmproxy_event_loop_lag_seconds").observe)
+        lag = cpu.LoopLag(self.metrics.child("llmproxy_event_loop_lag_seconds").observe, lambda: self.admission.in_flight > 0)
         lag.start()
+        self.admission.on_busy = lag.wake
         if self.settings.routes or self.settings.slo or self.settings.tenants:
             try:  # (only the main thread of a process may; a test serving the app in a thread cannot)
                 asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.reload)

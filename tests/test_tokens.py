@@ -107,7 +107,7 @@ def test_the_cache_knows_each_part_by_its_text_and_forgets_the_oldest():
 def test_a_long_text_is_found_by_its_samples_and_taken_only_when_equal_whole():
     """A long part (an agent's system prompt) is looked up by its length and samples, then compared
     whole: a text of the same samples that differs anywhere else is a miss, never the other's count."""
-    from proxy.wire.tokens import LONG_TEXT, TokenCache
+    from proxy.wire.tokens import LONG_TEXT, SLOT, TokenCache
 
     cache = TokenCache()
     long = LONG_TEXT
@@ -122,9 +122,17 @@ def test_a_long_text_is_found_by_its_samples_and_taken_only_when_equal_whole():
     assert cache._key("o200k_base", edited) == cache._key("o200k_base", system)
     assert cache.lookup("o200k_base", [edited]) == [None] and cache.misses == 1
     assert cache.lookup("cl100k_base", [fresh]) == [None]  # per encoding
-    cache.store("o200k_base", [edited], [901])  # it takes the slot: the bytes are counted once
-    assert cache.bytes == len(edited) + len("user")
-    assert cache.lookup("o200k_base", [system, edited]) == [None, 901]
+    cache.store("o200k_base", [edited], [901])  # it shares the slot: both kept, each counted once in the bytes
+    assert cache.bytes == len(system) + len(edited) + len("user") and cache.entries == 3
+    assert cache.lookup("o200k_base", [system, edited]) == [900, 901]
+    cache.store("o200k_base", [edited], [901])  # (the same text again: not twice)
+    assert cache.bytes == len(system) + len(edited) + len("user") and cache.entries == 3
+    # An agent's sessions, interleaved turn by turn: their system prompts apart only in an environment block.
+    sessions = [system[:at] + f"<env>cwd /home/dev/p{k:02d}</env>" + system[at + 28:] for k in range(SLOT + 1)]
+    assert len({cache._key("o200k_base", text) for text in sessions} | {cache._key("o200k_base", system)}) == 1  # (one length, one slot)
+    cache.store("o200k_base", sessions, list(range(len(sessions))))
+    assert cache.lookup("o200k_base", sessions[1:]) == list(range(1, len(sessions)))  # the newest SLOT of the same samples
+    assert cache.lookup("o200k_base", [sessions[0], system]) == [None, None] and cache.entries == SLOT + 1  # (and "user")
 
 
 def test_the_cache_rate_is_learned_from_large_counts_weighted_by_tokens():

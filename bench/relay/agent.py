@@ -64,9 +64,19 @@ def tool_schemas(count: int = 30, seed: int = 2) -> list[dict[str, Any]]:
     return tools
 
 
-def turn_bodies(api: str, turns: int, seed: int = 1) -> list[tuple[str, dict[str, Any]]]:
+def session_prompt(session: int) -> str:
+    """Session `session`'s system prompt: the agent's one, with its environment block in the middle (Claude Code and
+    Codex write the working directory, the platform and the date there, 70% in): the same length and the same head and tail
+    for every session, a few characters apart."""
+    base = system_prompt()
+    middle = len(base) * 7 // 10
+    block = f"\n<env>Working directory: /home/dev/project-{session:03d}\nIs a git repo: yes\nToday's date: 2026-12-{1 + session % 28:02d}</env>\n"
+    return base[:middle] + block + base[middle + len(block):]
+
+
+def turn_bodies(api: str, turns: int, seed: int = 1, session: int | None = None) -> list[tuple[str, dict[str, Any]]]:
     """(path, body) of each turn: the same system prompt and tools, the conversation one exchange longer."""
-    system, tools = system_prompt(seed=seed), tool_schemas()
+    system, tools = (system_prompt(seed=seed) if session is None else session_prompt(session)), tool_schemas()
     history: list[tuple[str, str]] = []
     out = []
     for turn in range(turns):
@@ -94,9 +104,11 @@ def turn_bodies(api: str, turns: int, seed: int = 1) -> list[tuple[str, dict[str
 
 
 def conversations(api: str, turns: int, sessions: int) -> list[tuple[str, dict[str, Any]]]:
-    """`sessions` conversations, each with its own system prompt (as different agents, or one agent's sessions whose
-    prompts embed their working directory and date), interleaved turn by turn: turn 1 of each, then turn 2 of each..."""
-    each = [turn_bodies(api, turns, seed=1 + 100 * k) for k in range(sessions)]
+    """`sessions` conversations, each with its own system prompt (one agent's sessions, whose prompts embed their working
+    directory and date: `session_prompt`), interleaved turn by turn: turn 1 of each, then turn 2 of each..."""
+    if sessions == 1:
+        return turn_bodies(api, turns)
+    each = [turn_bodies(api, turns, session=k) for k in range(sessions)]
     return [each[k][turn] for turn in range(turns) for k in range(sessions)]
 
 

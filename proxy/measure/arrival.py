@@ -22,6 +22,7 @@ stamp). timing.split() reads a run of equal stamps as one such read.
 from __future__ import annotations
 
 import socket
+import struct
 import time
 from typing import Any
 
@@ -34,6 +35,7 @@ except OSError:  # (not Linux: no coarse clock, no TCP_INFO)
     TICK_NS = 0
 _HALF_TICK_NS = TICK_NS // 2
 _IPPROTO_TCP = socket.IPPROTO_TCP
+_UNPACK = struct.Struct("=I").unpack_from
 
 
 def socket_of(transport: Any) -> socket.socket | None:
@@ -66,7 +68,7 @@ def arrived_ns(sock: Any, now: int) -> int:
         return now
     if len(info) < 56:
         return now
-    ms = int.from_bytes(info[_LAST_DATA_RECV:56], "little")
+    ms: int = _UNPACK(info, _LAST_DATA_RECV)[0]
     if ms == 0:
         return now
     ticks = (ms * 1_000_000 + _HALF_TICK_NS) // TICK_NS

@@ -18,9 +18,12 @@ if TYPE_CHECKING:
 def sequences(t: RequestTiming, runs: dict[int, list[int]]) -> dict[int, tuple[list[int], list[float]]]:
     """Content instants and token counts per choice, a run of equal instants merged into one: the bytes of one
     read, which the kernel stamps with their last segment's arrival (arrival.py), the earlier ones' unknown.
-    `runs` gets how many chunks each merged."""
+    `runs` gets how many chunks each merged (nothing where none did)."""
     tokens = t.chunk_tokens if t.chunk_tokens is not None and len(t.chunk_tokens) == len(t.content_ns) else [1.0] * len(t.content_ns)
     choices = t.content_choice if len(t.content_choice) == len(t.content_ns) else [0] * len(t.content_ns)
+    stamps = t.content_ns
+    if (not choices or min(choices) == max(choices)) and all(a != b for a, b in zip(stamps, stamps[1:])):
+        return {choices[0] if choices else 0: (stamps, tokens)}  # (one choice, each chunk its own read: `runs` stays empty)
     seqs: dict[int, tuple[list[int], list[float]]] = {}
     for instant, choice, count in zip(t.content_ns, choices, tokens):
         instants, counts = seqs.setdefault(choice, ([], []))

@@ -246,11 +246,14 @@ def split(t: RequestTiming) -> Breakdown:
     runs: dict[int, list[int]] = {}
     seqs = sequences(t, runs) if t.content_ns else {}
     for choice, (instants, counts) in seqs.items():
-        merged = runs[choice]
+        merged = runs.get(choice)
         seq_gaps = [(b - a) / NS for a, b in zip(instants, instants[1:])]
         gaps += seq_gaps
-        for gap, n, m in zip(seq_gaps, counts[1:], merged[1:]):  # (each chunk of a read: the read's mean gap per token)
-            itl += [gap / n if n > 0 else gap] * m
+        if merged is None:
+            itl += [gap / n if n > 0 else gap for gap, n in zip(seq_gaps, counts[1:])]
+        else:
+            for gap, n, m in zip(seq_gaps, counts[1:], merged[1:]):  # (each chunk of a read: the read's mean gap per token)
+                itl += [gap / n if n > 0 else gap] * m
         window_ns, after = window(t, instants, counts)
         if window_ns > 0 and after > 0:
             rates.append(after * NS / window_ns)

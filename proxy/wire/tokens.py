@@ -36,6 +36,7 @@ REPLY_PRIMING = 3
 MODEL_CACHE_LIMIT = 1024
 PARTS_MAX = 1024  # texts a prompt is counted as at most (Parts.done)
 LONG_TEXT = 4096  # characters: from here the token cache finds a text by its samples, then compares it whole
+SLOT = 16  # long texts of the same samples the token cache keeps side by side (the newest first)
 SAMPLE = 64  # characters of each sample: the head, the middle, the tail, and one spread over the text
 
 
@@ -146,8 +147,11 @@ class TokenCache:
     text is its own key (Python's string hash); a long one (`LONG_TEXT` characters or more) is found
     by its length and samples of it (`_key`), then compared whole: each turn's parse makes a new
     string, whose hash reads all of it (50 µs for an agent's 170 KB system prompt, twice that with
-    cold caches), where the comparison of equal texts is one memcmp. Two long texts with the same
-    samples share a slot: the comparison tells them apart, and the one not in it is a miss.
+    cold caches), where the comparison of equal texts is one memcmp. Long texts with the same samples
+    share a slot, up to `SLOT` (16) of them, each compared in turn: an agent's sessions send system prompts
+    of one length and one head and tail, apart only in an environment block (the working directory,
+    the date), which the samples may miss. With one text per slot, sessions interleaved turn by turn
+    each pushed the other's out, and every turn tokenized its 170 KB again (bench/RESULTS.md).
 
     The tokenize phase stands for the server's tokenizing the whole prompt, which a cache in the
     proxy does not change: a looked-up part's time is its tokens at this process's measured
@@ -160,7 +164,9 @@ class TokenCache:
 
     def __init__(self, max_bytes: int = 64 * 1024 * 1024, max_entries: int = 100_000) -> None:
         self.max_bytes, self.max_entries = max_bytes, max_entries
-        self._counts: OrderedDict[tuple[str, ...], tuple[str, int]] = OrderedDict()  # key: (encoding, text), or samples
+        # key: (encoding, text) -> [(text, count)], or (encoding, samples) -> [(text, count), ...] (at most SLOT)
+        self._counts: OrderedDict[tuple[str, ...], list[tuple[str, int]]] = OrderedDict()
+        self.entries = 0
         self.bytes = 0
         self.hits = self.misses = 0
         self._rate = [0.0, 0.0, 0.0, 0.0]  # (seconds, tokens) of large counts, then of every count, decayed
@@ -177,29 +183,46 @@ class TokenCache:
         out: list[int | None] = []
         for text in texts:
             key = (encoding, text) if len(text) < LONG_TEXT else self._key(encoding, text)
-            entry = counts.get(key)
-            if entry is not None and entry[0] == text:  # (a short text's key compared it already)
+            slot = counts.get(key)
+            found = None
+            if slot is not None:
+                for stored, count in slot:  # (a short text's key compared it already: one entry)
+                    if stored == text:
+                        found = count
+                        break
+            if found is not None:
                 counts.move_to_end(key)
                 self.hits += 1
-                out.append(entry[1])
             else:
                 self.misses += 1
-                out.append(None)
+            out.append(found)
         return out
 
     def store(self, encoding: str, texts: list[str], counts: list[int]) -> None:
         table = self._counts
         for text, count in zip(texts, counts):
             key = self._key(encoding, text)
-            old = table.get(key)
-            if old is not None:  # (the same text again, or another of the same samples: this one takes the slot)
-                self.bytes -= len(old[0])
+            slot = table.get(key)
+            if slot is None:
+                slot = table[key] = []
+            else:
+                table.move_to_end(key)
+                for i, (stored, _) in enumerate(slot):  # (the same text again: counted anew, once)
+                    if stored == text:
+                        del slot[i]
+                        self.bytes -= len(stored)
+                        self.entries -= 1
+                        break
+            slot.insert(0, (text, count))
             self.bytes += len(text)
-            table[key] = (text, count)
-            table.move_to_end(key)
-        while table and (self.bytes > self.max_bytes or len(table) > self.max_entries):
-            _, (text, _) = table.popitem(last=False)
-            self.bytes -= len(text)
+            self.entries += 1
+            while len(slot) > SLOT:  # (the oldest of the same samples)
+                self.bytes -= len(slot.pop()[0])
+                self.entries -= 1
+        while table and (self.bytes > self.max_bytes or self.entries > self.max_entries):
+            _, slot = table.popitem(last=False)
+            self.bytes -= sum(len(stored) for stored, _ in slot)
+            self.entries -= len(slot)
 
     def measured(self, tokens: int, seconds: float) -> None:
         """A count the tokenizer really ran: what the rate is learned from."""

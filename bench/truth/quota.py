@@ -2,7 +2,7 @@
 cgroup with a CPU quota (a Kubernetes CPU limit), relaying streams of an upstream that notes when it
 wrote each byte, against the same proxy with no quota.
 
-    .venv/bin/python -m bench.truth quota [--streams 96] [--quota-ms 5] [--period-ms 100] [--tokens 100] [-- proxy flags]
+    .venv/bin/python -m bench.truth quota [--streams 96] [--quota-ms 5] [--period-ms 100] [--tokens 100] [--src DIR] [-- proxy flags]
 
 Needs root (it makes a cgroup: v1's cpu controller, or v2's cpu.max). The upstream (bench/harness.py's
 instrumented one: TTFT 300 ms, then a token every 20 ms, 50 tokens/s) and the clients run outside the
@@ -78,12 +78,12 @@ async def clients(port: int, n: int, tokens: int, prefix: str = "q") -> dict[str
     return out
 
 
-def run(group: Path, streams: int, tokens: int, extra: list[str]) -> dict[str, list[float]]:
+def run(group: Path, streams: int, tokens: int, extra: list[str], src: str = str(ROOT)) -> dict[str, list[float]]:
     up_port, port = free_port(), free_port()
     log = Path(tempfile.mkdtemp()) / "upstream.jsonl"
     upstream = common.start_upstream(up_port, log, tokens, 0.020, 0.300)
     try:
-        base = serve_command(str(ROOT), "serve", "--upstream", f"http://127.0.0.1:{up_port}/v1", "--port", str(port),
+        base = serve_command(src, "serve", "--upstream", f"http://127.0.0.1:{up_port}/v1", "--port", str(port),
                              "--records-db", str(Path(tempfile.mkdtemp()) / "r.sqlite"), *extra)
         command = ["sh", "-c", f'echo $$ > {group / "cgroup.procs"} && exec "$@"', "sh", *base]
         with common.process(command, f"http://127.0.0.1:{port}/healthz"):
@@ -131,6 +131,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=100)
     parser.add_argument("--quota-ms", type=float, default=5.0)
     parser.add_argument("--period-ms", type=float, default=100.0)
+    parser.add_argument("--src", default=str(ROOT), help="the checkout to run (a `git worktree` built with pip install --target DIR)")
     parser.add_argument("proxy_args", nargs="*", help="extra flags for the proxy, after --")
     args = parser.parse_args()
     if os.geteuid() != 0:
@@ -141,7 +142,7 @@ def main() -> int:
     for label, quota in (("no quota", -1), (f"quota {args.quota_ms:g} ms / {args.period_ms:g} ms", int(args.quota_ms * 1000))):
         group = make_cgroup(f"llmproxy-bench-{os.getpid()}", quota, int(args.period_ms * 1000))
         try:
-            o = run(group, args.streams, args.tokens, args.proxy_args)
+            o = run(group, args.streams, args.tokens, args.proxy_args, args.src)
         finally:
             for _ in range(50):
                 try:

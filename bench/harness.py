@@ -273,6 +273,34 @@ class Connection:
             self.writer = None
 
 
+def cpu_cgroup(name: str, quota_us: int, period_us: int = 100_000) -> Path:
+    """A cgroup with a CPU quota (-1: none), made (root only): v2's cpu.max, or v1's cpu controller. A process
+    started with `echo $$ > GROUP/cgroup.procs && exec ...` runs in it with every process it starts."""
+    if Path("/sys/fs/cgroup/cgroup.controllers").exists():
+        root = Path("/sys/fs/cgroup")
+        if "cpu" not in (root / "cgroup.subtree_control").read_text().split():
+            (root / "cgroup.subtree_control").write_text("+cpu")
+        group = root / name
+        group.mkdir(exist_ok=True)
+        (group / "cpu.max").write_text(f"{quota_us if quota_us > 0 else 'max'} {period_us}")
+        return group
+    group = Path("/sys/fs/cgroup/cpu") / name
+    group.mkdir(exist_ok=True)
+    (group / "cpu.cfs_period_us").write_text(str(period_us))
+    (group / "cpu.cfs_quota_us").write_text(str(quota_us if quota_us > 0 else -1))
+    return group
+
+
+def remove_cgroup(group: Path) -> None:
+    """Once its processes are gone (the kernel refuses a busy group: tried again for 5 s)."""
+    for _ in range(50):
+        try:
+            group.rmdir()
+            return
+        except OSError:
+            time.sleep(0.1)
+
+
 def tree_mb(pid: int) -> float:
     """Resident memory of a process and every process under it, in MiB."""
     return sum(memory_mb(p) for p in (pid, *descendants(pid)))

@@ -21,6 +21,9 @@ from proxy.processes import free_port, wait_healthy
 
 from servers import ROOT, Process, scraped
 
+sys.path.insert(0, str(ROOT))
+from bench import harness  # noqa: E402
+
 SCHEDULE = {"x-sim-ttft-ms": "300", "x-sim-decode-tps": "50"}
 TOKENS = 40
 
@@ -80,6 +83,7 @@ def test_a_proxy_stopped_most_of_the_time_books_its_delay_as_lag_and_the_engine_
     assert abs(phases["prefill"] - delivered.ttft_s) < 0.015, (phases, delivered)
     assert phases["network"] < 0.005
     assert record["decode_tokens_per_second"] == pytest.approx(rate, rel=0.03)
+    assert 0.0 <= record["first_token_inferred_s"] < 0.1  # (read with later tokens: placed before them, never by more than a stall)
     assert phases["lag"] > 0.010  # the delay is named (a stop that lands on the proxy's own work mid-way is in its phase proxy)
     assert lag_fast < lag_count, re.findall(r"^llmproxy_event_loop_lag_seconds.*$", scrape, re.M)  # the loop's probe saw timers over 5 ms late
 
@@ -111,18 +115,9 @@ def test_cgroup_files_of_v1_and_v2_are_found_and_read(tmp_path):
 
 
 def make_quota_group(quota_us: int) -> Path:
-    """A real cgroup with a CPU quota (v1's cpu controller or v2's cpu.max); skips where this process may not make one."""
-    name = f"llmproxy-test-{os.getpid()}"
+    """A real cgroup with a CPU quota (bench/harness.py); skips where this process may not make one."""
     try:
-        if Path("/sys/fs/cgroup/cgroup.controllers").exists():
-            group = Path("/sys/fs/cgroup") / name
-            group.mkdir(exist_ok=True)
-            (group / "cpu.max").write_text(f"{quota_us} 100000")
-        else:
-            group = Path("/sys/fs/cgroup/cpu") / name
-            group.mkdir(exist_ok=True)
-            (group / "cpu.cfs_quota_us").write_text(str(quota_us))
-        return group
+        return harness.cpu_cgroup(f"llmproxy-test-{os.getpid()}", quota_us)
     except OSError as exc:
         pytest.skip(f"cannot make a cgroup with a CPU quota here ({exc}): needs root and a writable cgroup fs")
 
@@ -145,12 +140,7 @@ def test_a_cpu_quota_is_in_the_scrape_and_the_records_stay_the_engines(sim):
     finally:
         process.terminate()
         process.wait(timeout=30)
-        for _ in range(50):
-            try:
-                group.rmdir()
-                break
-            except OSError:
-                time.sleep(0.1)
+        harness.remove_cgroup(group)
     rates = [r["decode_tokens_per_second"] for r in got]
     lags = [r["phases_s"]["lag"] for r in got]
     print(f"\nthrottled periods {throttled}, limit {limit} cores; decode p50 {statistics.median(rates):.2f} tok/s, "

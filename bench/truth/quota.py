@@ -33,26 +33,6 @@ from bench import harness as common  # noqa: E402
 from proxy.processes import free_port, serve_command  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-V2 = Path("/sys/fs/cgroup/cgroup.controllers").exists()
-
-
-def make_cgroup(name: str, quota_us: int, period_us: int) -> Path:
-    """A cgroup with the CPU quota (-1 / "max": none), returned; v1's cpu controller or v2's cpu.max."""
-    if V2:
-        root = Path("/sys/fs/cgroup")
-        if "cpu" not in (root / "cgroup.subtree_control").read_text().split():
-            (root / "cgroup.subtree_control").write_text("+cpu")
-        group = root / name
-        group.mkdir(exist_ok=True)
-        (group / "cpu.max").write_text(f"{quota_us if quota_us > 0 else 'max'} {period_us}")
-        return group
-    group = Path("/sys/fs/cgroup/cpu") / name
-    group.mkdir(exist_ok=True)
-    (group / "cpu.cfs_period_us").write_text(str(period_us))
-    (group / "cpu.cfs_quota_us").write_text(str(quota_us if quota_us > 0 else -1))
-    return group
-
-
 def throttled(group: Path) -> tuple[int, float]:
     """(periods throttled, seconds throttled) so far, from the group's cpu.stat."""
     stat = dict(line.split() for line in (group / "cpu.stat").read_text().splitlines())
@@ -97,13 +77,10 @@ def run(group: Path, streams: int, tokens: int, extra: list[str], src: str = str
                 if sum(1 for r in records if r["model"] in seen) >= len(seen) or time.monotonic() > deadline:
                     break
                 time.sleep(0.5)
-            metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
     finally:
         upstream.terminate()
         upstream.wait()
     engine = {line["model"]: line for line in map(json.loads, log.read_text().splitlines())}
-    if os.environ.get("QUOTA_DUMP"):
-        Path(os.environ["QUOTA_DUMP"]).write_text(json.dumps({"records": records, "engine": engine}))
     out: dict[str, list[float]] = {k: [] for k in ("prefill", "engine_ttft", "network", "tps", "engine_tps", "own", "lost", "lag")}
     for r in records:
         e, c = engine.get(r["model"]), seen.get(r["model"])
@@ -121,7 +98,6 @@ def run(group: Path, streams: int, tokens: int, extra: list[str], src: str = str
         out["own"].append(lag + parts["before"] + parts["first_token"])
         out["lost"].append(c[1][0] - c[0] - (writes[0] - e["arrived"]) / 1e9)
     out["throttled"] = [after[0] - before[0], after[1] - before[1]]
-    out["lag_metric"] = [float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("llmproxy_event_loop_lag_seconds_max")]
     return out
 
 
@@ -140,16 +116,11 @@ def main() -> int:
     ms = lambda values, q: f"{common.pct(values, q) * 1e3:.1f}"  # noqa: E731
     rows = []
     for label, quota in (("no quota", -1), (f"quota {args.quota_ms:g} ms / {args.period_ms:g} ms", int(args.quota_ms * 1000))):
-        group = make_cgroup(f"llmproxy-bench-{os.getpid()}", quota, int(args.period_ms * 1000))
+        group = common.cpu_cgroup(f"llmproxy-bench-{os.getpid()}", quota, int(args.period_ms * 1000))
         try:
             o = run(group, args.streams, args.tokens, args.proxy_args, args.src)
         finally:
-            for _ in range(50):
-                try:
-                    group.rmdir()
-                    break
-                except OSError:
-                    time.sleep(0.1)
+            common.remove_cgroup(group)
         rows.append([label, len(o["tps"]),
                      f"{ms(o['prefill'], 0.5)} (engine {ms(o['engine_ttft'], 0.5)})",
                      ms(o["network"], 0.9),

@@ -60,6 +60,9 @@ def record_dict(ctx: RequestContext, b: Breakdown) -> dict[str, Any]:
         "error": t.error,
         "duration_s": b.e2e_s,
         "ttft_s": b.ttft_s,
+        # The first token read with later ones (the proxy was late to them): placed this long before its read's stamp,
+        # at the rate the later reads measured (reads.py); 0 when it was read alone.
+        "first_token_inferred_s": b.inferred_s,
         "decode_s": b.decode_s,
         "decode_tokens_per_second": b.decode_tokens_per_second,
         "choice_decode_tokens_per_second": b.choice_decode_tps,

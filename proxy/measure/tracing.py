@@ -233,8 +233,9 @@ class Tracing:
         # Server-side steps, laid back to back where they happen: ending at the first token
         # (streaming) or starting when the request was sent (non-streaming).
         order = ("tokenize", "queue", "reasoning", "prefill") if t.content_ns else ("tokenize", "queue", "prefill", "decode", "server")
+        first = t.content_ns[0] - int(b.inferred_s * 1e9) if t.content_ns else 0  # (a first token read with later ones: reads.py)
         if t.content_ns:
-            at = t.content_ns[0] - sum(int(b.phases.get(name, 0.0) * 1e9) for name in order)
+            at = first - sum(int(b.phases.get(name, 0.0) * 1e9) for name in order)
         else:
             at = t.sent_ns or t.headers_ns or t.issued_ns or t.received_ns
         for name in order:
@@ -254,7 +255,7 @@ class Tracing:
             decode_id = new_id()
             attrs = {"llmproxy.decode_tokens_per_second": b.decode_tokens_per_second}
             events = self._chunks(out, spans, decode_id, t, wall, attrs)
-            out.append(self._span(spans, "decode", decode_id, server_id, wall(t.content_ns[0]), wall(t.upstream_end_ns or max(t.content_ns)),
+            out.append(self._span(spans, "decode", decode_id, server_id, wall(first), wall(t.upstream_end_ns or max(t.content_ns)),
                                   attrs, events=events))
 
     def _chunks(self, out: list[ReadableSpan], spans: RequestSpans, decode_id: int, t: RequestTiming,

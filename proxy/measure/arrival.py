@@ -29,6 +29,7 @@ from typing import Any
 _COARSE = getattr(time, "CLOCK_MONOTONIC_COARSE", 6)  # (Linux's clock id: Python names it only on some builds)
 _TCP_INFO = getattr(socket, "TCP_INFO", None)
 _LAST_DATA_RECV = 52  # struct tcp_info: 8 bytes of u8 fields, then u32s; tcpi_last_data_recv (ms) is the 12th
+_RTT = 68  # ... tcpi_rtt (µs) the 16th
 try:
     TICK_NS = round(time.clock_getres(_COARSE) * 1e9) if _TCP_INFO is not None else 0
 except OSError:  # (not Linux: no coarse clock, no TCP_INFO)
@@ -76,13 +77,13 @@ def arrived_ns(sock: Any, now: int) -> int:
     return latest if latest < now else now
 
 
-def handshake_rtt_ns(sock: Any) -> int:
-    """The kernel's first RTT sample of a socket just connected: its SYN to the SYN-ACK (0: none; a SYN
-    sent again is not sampled)."""
+def socket_rtt_s(sock: Any) -> float | None:
+    """The kernel's smoothed RTT of a TCP socket (TCP_INFO's tcpi_rtt), in seconds; None where it cannot say. Of a
+    socket just connected, its first sample: the SYN to the SYN-ACK (a SYN sent again is not sampled: 0)."""
     if _TCP_INFO is None or sock is None:
-        return 0
+        return None
     try:
         info: bytes = sock.getsockopt(_IPPROTO_TCP, _TCP_INFO, 72)
     except (OSError, AttributeError, TypeError):
-        return 0
-    return int.from_bytes(info[68:72], "little") * 1000 if len(info) >= 72 else 0
+        return None
+    return _UNPACK(info, _RTT)[0] / 1e6 if len(info) >= 72 else None

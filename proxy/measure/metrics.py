@@ -50,7 +50,6 @@ class MetricDef:
     buckets: tuple[float, ...] = ()
     kernel: bool = False  # read from the kernel at each scrape (cpu.py), never observed here
 
-
     @property
     def exposed(self) -> str:
         return self.name + "_total" if self.kind == "counter" else self.name

@@ -270,7 +270,7 @@ def split(t: RequestTiming) -> Breakdown:
     first_issued = t.first_issued_ns if t.first_issued_ns is not None else t.issued_ns
     # The admission wait is the proxy's, all of it: a big body's end is read only once admitted (the server stops
     # reading it past 64 KB), so the part of the wait before it is not the client's upload.
-    admission = _s(t.queued_ns, t.admitted_ns) or 0.0 if t.queued_ns is not None else 0.0
+    admission = _s(t.queued_ns, t.admitted_ns) or 0.0
     during_upload = 0.0
     if admission and t.queued_ns is not None and t.admitted_ns is not None:
         during_upload = max(0, min(t.admitted_ns, body_end) - max(t.queued_ns, t.received_ns)) / NS
@@ -281,6 +281,8 @@ def split(t: RequestTiming) -> Breakdown:
         proxy_before -= lag_in
         admission = min(admission, proxy_before + during_upload)
         proxy_before -= admission - during_upload
+    else:  # (refused or failed before anything went upstream)
+        lag_in = min(lag_in, max(0.0, e2e - client))
     wait += admission
     failover = _s(first_issued, t.issued_ns) or 0.0 if t.first_issued_ns is not None else 0.0
     upstream_end = t.upstream_end_ns if t.upstream_end_ns is not None else end_ns
@@ -299,9 +301,6 @@ def split(t: RequestTiming) -> Breakdown:
     tokenize = t.tokenize_prompt_s or 0.0
     before = (("failover", failover), ("wait", wait), ("lag", lag_connect), ("network", network), ("tokenize", tokenize))
     if t.issued_ns is None:  # refused or failed before anything went upstream: the proxy's own time
-        lag_in = min(lag_in, max(0.0, e2e - client))
-        if lag_in:
-            phases["lag"] = lag_in
         phases["proxy"] = max(0.0, e2e - client - lag_in)
         if admission:  # (of it, the wait for a slot)
             phases["wait"] = min(admission, phases["proxy"])
@@ -315,7 +314,7 @@ def split(t: RequestTiming) -> Breakdown:
         phases["prefill"] = rest
         # After its arrival: the first token waited for the loop (lag), then was relayed (proxy), the end read with it.
         decode_window = max(0, upstream_end - first) / NS
-        seen = min(max(t.first_seen_ns or first, first), t.first_sent_ns or first) if t.first_sent_ns else first
+        seen = min(max(t.first_seen_ns or first, first), t.first_sent_ns) if t.first_sent_ns else first
         lag_first = min(decode_window, (seen - first) / NS)
         proxy_first = min(decode_window - lag_first, _s(seen, t.first_sent_ns) or 0.0)
         if lag_first:

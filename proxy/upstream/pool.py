@@ -22,34 +22,18 @@ import asyncio
 import ipaddress
 import socket
 import ssl
-import struct
 from typing import Any, Awaitable, Callable
 
 from ..config import Settings
 from ..errors import ConnectError, ConnectTimeout, EgressError, ProxyOverloaded, TransportError, WriteTimeout
-from ..measure.arrival import handshake_rtt_ns
+from ..measure import arrival
+from ..measure.arrival import socket_rtt_s
 from ..measure.timing import RequestTiming, now_ns
 from . import egress
 from .connection import Budget, Connection
 from .limits import pool_size
 
-_TCP_INFO = getattr(socket, "TCP_INFO", None)
-_TCPI_RTT_OFFSET = 68  # struct tcp_info: 8 bytes of u8 fields, then u32s; tcpi_rtt (µs) is the 16th
 RTT_EVERY_NS = 1_000_000_000  # a pooled connection's RTT is read again after this long
-
-
-def socket_rtt_s(sock: Any) -> float | None:
-    """Smoothed RTT the kernel keeps for this TCP socket, in seconds (None off Linux)."""
-    if sock is None or _TCP_INFO is None:
-        return None
-    try:
-        raw = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 104)
-    except OSError:
-        return None
-    if len(raw) < _TCPI_RTT_OFFSET + 4:
-        return None
-    (rtt_us,) = struct.unpack_from("I", raw, _TCPI_RTT_OFFSET)
-    return rtt_us / 1e6
 
 
 def _is_ip(host: str) -> bool:
@@ -218,9 +202,9 @@ class Pool:
         # Connected when the SYN-ACK came, by the kernel's first RTT sample; not when this task woke (a loop
         # late by a CPU quota would book its own delay as network).
         timing.tcp_end_ns = timing.tcp_seen_ns = now_ns()
-        rtt_ns = handshake_rtt_ns(connection.sock)
-        if rtt_ns and started + rtt_ns < timing.tcp_end_ns:
-            timing.tcp_end_ns = started + rtt_ns
+        handshake_s = arrival.socket_rtt_s(connection.sock)  # (the connect's own sample; a request's RTT: socket_rtt_s, below)
+        if handshake_s and started + int(handshake_s * 1e9) < timing.tcp_end_ns:
+            timing.tcp_end_ns = started + int(handshake_s * 1e9)
         if proxy is not None and self.ssl_context is not None:
             timing.proxy_start_ns = now_ns()
             try:

@@ -34,20 +34,18 @@ def direct_ttft(sim, body: dict, headers: dict) -> float:
 
 
 def test_ttft_within_5ms_of_the_injected_schedule(sim, proxy):
-    """Against the injected 200 ms as the upstream delivers it: a direct client, interleaved, is
-    the ground truth (on some hosts the loopback path itself adds a few ms after an idle wait)."""
-    body = {"model": "sim-7b", "messages": MSG, "max_tokens": 3, "stream": True}
+    """Against the injected 200 ms as the simulator really delivered it, request by request: on a
+    loaded machine its sleep overshoots by some ms, and a direct request beside it has its own."""
     headers = {"x-sim-ttft-ms": "200"}
-    direct = []
+    delivered = []
     for _ in range(5):
-        direct.append(direct_ttft(sim, body, headers))
         stream(proxy, 3, headers)
-    ttfts = [r["ttft_s"] for r in proxy.wait_records(5)[-5:]]
-    assert all(abs(d - 0.200) < 0.020 for d in direct), direct  # the schedule was delivered
-    errors = sorted(ttft - d for ttft, d in zip(ttfts, direct))
-    # The median within 5 ms; every one within 10 ms (three Python processes share two cores here).
-    assert abs(errors[2]) < 0.005, (ttfts, direct)
-    assert all(abs(e) < 0.010 for e in errors), (ttfts, direct)
+        delivered.append(sim.delivered())
+    records = proxy.wait_records(5)[-5:]
+    assert abs(statistics.median(d.ttft_s for d in delivered) - 0.200) < 0.020, delivered  # the schedule was applied
+    errors = sorted(r["ttft_s"] - r["phases_s"]["client"] - d.ttft_s for r, d in zip(records, delivered))
+    # Never before the engine's; the median within 5 ms; every one within 10 ms (three processes share two cores here).
+    assert errors[0] >= -0.0001 and errors[2] < 0.005 and errors[-1] < 0.010, (errors, delivered)
 
 
 def test_ttft_follows_prompt_length_at_the_prefill_rate(sim, proxy):

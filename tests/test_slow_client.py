@@ -101,9 +101,9 @@ def test_a_slow_reader_leaves_the_true_decode_rate_or_a_request_marked_and_kept_
     assert metrics[p1] == (0, 1, TOKENS - 1)
     # A 256 KiB read-ahead fills: reading paused, the later stamps are the client's pace: marked, kept out.
     assert tight_r["unmeasured"] == "client_backpressure" and tight_r["read_held_s"] > 0.5
-    # (what it would have reported: bent by the client's pace; the kernel's stamps show when bytes came, but the paused
-    # reading held the engine's bytes back in its own socket)
-    assert not delivered[p2].holds_window(tight_r["decode_s"]), (tight_r["decode_s"], delivered[p2].window_s())
+    # (Its decode_s may still be the engine's: the kernel's stamps are true as long as the socket's own buffer took every
+    # write in time, which depends on the kernel's autotuning, not on the proxy. Once a read held, the proxy cannot tell,
+    # so the mark is the promise, not the figure; the figure is kept out of the rates below.)
     assert metrics[p2] == (1, 0, 0)
 
 

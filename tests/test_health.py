@@ -105,3 +105,44 @@ def test_a_broken_ejection_policy_is_refused_with_its_line(spec, words):
         EjectionSpec.parse(spec, "routes file r.yaml, line 3")
     assert "line 3" in str(error.value) and words in str(error.value)
     assert EjectionSpec.parse("off", "x").enabled is False and EjectionSpec.parse({"base_time": 5}, "x").base_s == 5.0
+
+
+def test_busy_answers_weigh_on_the_score_and_never_eject():
+    """A 429 or a missed deadline, however many in a row: counted in the share a score divides by, never an ejection."""
+    h = Health(EjectionSpec(consecutive=2, min_requests=2))
+    for i in range(20):
+        h.sent(100.0 + i * 0.1)
+        h.busy(100.0 + i * 0.1)
+    assert h.state == SERVING and h.available(102.0) and h.share(102.0) == pytest.approx(20 / 21)
+    h.busy(102.0, backoff=5.0)  # a 429 on the proxy's own key: a back-off, not an ejection
+    assert h.state == SERVING and h.backing_off(106.9) and not h.backing_off(107.1)
+
+
+def test_active_checks_set_a_replica_aside_and_bring_it_back_never_a_user_request():
+    told = []
+    h = Health(EjectionSpec(), lambda reason, seconds: told.append(reason))
+    h.checked = True
+    assert h.check(100.0, False, unhealthy=2) == "" and h.state == SERVING  # one failed check is no verdict
+    assert h.check(101.0, False, unhealthy=2) == "health_check" and h.state == EJECTED and told == ["health_check"]
+    assert not h.available(500.0) and not h.due(500.0)  # with checks, no request is its probe
+    h.check(102.0, True, unhealthy=2)
+    assert h.state == SERVING and h.alive_s == 102.0
+    for i in range(5):  # failing requests: set aside for the base time; a passing check before it is up does not end it
+        h.sent(103.0)
+        h.failed(103.0)
+    assert h.state == EJECTED and h.reason == "consecutive_failures"
+    h.check(110.0, True, unhealthy=2)
+    assert h.state == EJECTED
+    h.check(133.5, True, unhealthy=2)
+    assert h.state == SERVING
+
+
+def test_a_replica_serving_by_force_comes_back_at_its_first_success():
+    h = Health(EjectionSpec(consecutive=1))
+    h.sent(100.0)
+    h.failed(100.0)
+    assert h.state == EJECTED
+    h.succeeded(101.0, forced=False)  # (a request sent before it was set aside says nothing now)
+    assert h.state == EJECTED
+    h.succeeded(101.0, forced=True)  # the route served it by force (panic mode), and it served
+    assert h.state == SERVING

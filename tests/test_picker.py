@@ -51,19 +51,36 @@ def test_a_replica_set_aside_gets_nothing_until_its_probe():
     assert "a" not in {picker.choose("fewest_in_flight", [a, b, c], 100, now=NOW + 30).label for _ in range(20)}  # the probe is out
 
 
-def test_never_more_than_the_share_aside_and_one_always_serves():
+def test_at_most_a_tenth_aside_and_below_half_serving_every_replica_serves():
+    """Envoy's max_ejection_percent (10%, at least one) and healthy_panic_threshold (50%)."""
+    ten = [Replica(x) for x in "abcdefghij"]
+    for r, seconds in zip(ten, (10, 20, 30)):
+        eject(r, seconds=seconds)
+    assert [r.label for r in serving(ten, NOW)] == [*"defghij", "a", "b"]  # one of ten aside: those back soonest serve anyway
     spec = EjectionSpec(max_share=0.5)
     four = [Replica(x, Health(spec)) for x in "abcd"]
-    for r, seconds in zip(four, (10, 20, 30)):
+    for r, seconds in zip(four, (10, 20)):
         eject(r, seconds=seconds)
-    assert [r.label for r in serving(four, NOW)] == ["d", "a"]  # two of four may be aside: the one back soonest serves anyway
+    assert [r.label for r in serving(four, NOW)] == ["c", "d"]  # half serving: not below the threshold
+    eject(four[2])
+    assert [r.label for r in serving(four, NOW)] == list("abcd")  # a quarter serving: panic, every one serves
     lone = [Replica("x")]
     eject(lone[0])
     assert [r.label for r in serving(lone, NOW)] == ["x"]
     pair = [Replica("p"), Replica("q")]
     eject(pair[0])
+    assert [r.label for r in serving(pair, NOW)] == ["q"]
     eject(pair[1], seconds=60)
-    assert [r.label for r in serving(pair, NOW)] == ["p"]
+    assert [r.label for r in serving(pair, NOW)] == ["p", "q"]
+
+
+def test_a_replica_backing_off_takes_requests_only_when_none_other_can():
+    a, b = Replica("a"), Replica("b")
+    a.health.busy(NOW, backoff=2.0)  # a 429 on the proxy's own key asked for 2 s
+    assert [r.label for r in serving([a, b], NOW + 1)] == ["b"] and a.health.state == "serving"
+    b.health.busy(NOW, backoff=2.0)
+    assert [r.label for r in serving([a, b], NOW + 1)] == ["a", "b"]  # both asked: both serve
+    assert [r.label for r in serving([a, b], NOW + 2.5)] == ["a", "b"]
 
 
 def test_a_replica_that_fails_fast_never_looks_fast():

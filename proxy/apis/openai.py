@@ -107,6 +107,11 @@ def parse_chunk(data: bytes) -> Chunk:
         if kind.__class__ is str:
             _response_event(kind, obj, chunk)
             return chunk
+        error = get("error")  # a failure after the stream began, under its 200 (vLLM, SGLang: `{"error": {...}}`;
+        if error.__class__ is dict or get("object") == "error":  # older vLLM: `{"object": "error", ...}`)
+            detail = error if error.__class__ is dict else obj
+            chunk.failed = string(detail.get("type")) or str(detail.get("code") or "") or "error"
+            return chunk
     elif choices.__class__ is list:
         for position, choice in enumerate(choices):
             if choice.__class__ is not dict:

@@ -3,13 +3,17 @@ Extension's scheduler shape), over what the proxy keeps per replica: its health 
 forecast (forecast.py), its prefix index (prefix.py) and its requests in flight.
 
 - **Filter.** The replicas not tried yet for this request and not set aside by their health; but a
-  route never has more than `max_share` of its replicas set aside at once, nor all of them: past
-  that, those due back soonest serve anyway (a fleet failing everywhere is still tried).
-  `predicted_ttft` also bounds the load (consistent hashing with bounded loads): a replica with
-  LOAD_BOUND times its share of the requests in flight (this one counted), plus LOAD_SLACK, takes no
-  more while another has fewer. (The slack: at a few requests in flight the score, which counts each
-  replica's pending work, knows better; moving a long conversation off its cache to spare a short
-  queue costs more than the queue.)
+  route never has more than `max_share` of its replicas set aside at once (at least one may be), nor
+  all of them: past that, those due back soonest serve anyway; and below `panic_threshold` of them
+  serving, it serves them all (Envoy's panic mode: a fleet failing everywhere is still tried, and
+  spread over, not piled onto the few left). A replica backing off (a 429 on the proxy's own key
+  asked for quiet) takes a request only when no other can. `predicted_ttft` also bounds the load
+  (consistent hashing with bounded loads): a replica with LOAD_BOUND times its share of the requests
+  in flight (this one counted), plus LOAD_SLACK, takes no more while another has fewer, and is
+  expected within SPILL times its speed: a replica far slower to its first token takes no overflow
+  (its queue is cheaper than its prefill). (The slack: at a few requests in flight the score, which
+  counts each replica's pending work, knows better; moving a long conversation off its cache to
+  spare a short queue costs more than the queue.)
 - **Probe.** A replica whose time aside is up gets the request: its verdict brings it back.
 - **Where a conversation lives** (`predicted_ttft`, a prompt of AFFINITY_TOKENS or more; prefix.py's
   session key, first turn and index). Proxies that share nothing must agree, so each rule is one every
@@ -36,8 +40,9 @@ forecast (forecast.py), its prefix index (prefix.py) and its requests in flight.
   replica that fails fast never looks fast, one holding the conversation's prefix prefills only its
   new turn, and a replica with no fit yet (too few answers measured) is expected at the prior rate
   (forecast.py), a slow engine's. With no fit anywhere (only non-streaming answers), fewest in
-  flight. `fewest_in_flight`: its requests in flight (a replica failing fast looks idle: its health sets it aside after a few
-  failures, as Envoy's outlier detection does for its balancer).
+  flight. `fewest_in_flight`: its requests in flight, this one counted, over the same share (a replica failing fast
+  looks idle: it scores up to ten times its load, and its health sets it aside, as Envoy's outlier detection does for
+  its balancer; one that misses its deadlines or refuses for load is sent less, never set aside for it).
 - **Pick.** The lowest score; scores within the forecasts' noise of it (TIE_S, or TIE_SHARE of it)
   are a tie, which the replicas holding the longest prefix of the prompt win. A conversation's tie
   goes by rendezvous hashing on its session key (every proxy the same way). Any other tie goes
@@ -65,17 +70,28 @@ FLOOR = 0.1  # a score is divided by at least this (a replica failing everything
 AFFINITY_TOKENS = 1000  # a shorter prompt costs too little to prefill to be kept anywhere: spread like any other
 CHOICES, CHOICE_SLACK = 2, 1.5  # a conversation's first turn: the better of the two replicas its key ranks first (unless 1.5x slower alone)
 LOAD_BOUND, LOAD_SLACK = 1.25, 2  # no replica takes more than 1.25x its share of the requests in flight plus 2 (while another has less)
+SPILL = 2.0  # ... that is expected within twice its time to first token for this prompt
 
 
 def serving(replicas: Sequence[Replica], now: float) -> list[Replica]:
-    """The route's replicas that may take a request now (its cap on those set aside applied)."""
+    """The route's replicas that may take a request now: its cap on those set aside and its panic threshold applied."""
     out = [u for u in replicas if u.health.available(now)]
-    if len(out) == len(replicas):
-        return out
-    aside = sorted((u for u in replicas if not u.health.available(now)), key=lambda u: u.health.until)
     n = len(replicas)
-    cap = min(n - 1, max(1, int(replicas[0].health.spec.max_share * n)))
-    return out + aside[: len(aside) - cap] if len(aside) > cap else out
+    if len(out) < n:
+        spec = replicas[0].health.spec
+        if len(out) < spec.panic * n:  # (panic: every replica serves)
+            return list(replicas)
+        aside = sorted((u for u in replicas if not u.health.available(now)), key=lambda u: u.health.until)
+        cap = min(n - 1, max(1, int(spec.max_share * n)))
+        if len(aside) > cap:
+            out += aside[: len(aside) - cap]
+    quiet = [u for u in out if not u.health.backing_off(now)]
+    return quiet if quiet and len(quiet) < len(out) else out
+
+
+def forced(upstream: Replica, now: float) -> bool:
+    """Whether a request placed on this replica now was placed there by force (it is set aside: `serving` let it in)."""
+    return not upstream.health.available(now)
 
 
 class Picker:
@@ -100,11 +116,16 @@ class Picker:
                 return u  # its probe
         if pick == "predicted_ttft":
             return self._predicted(candidates, prompt, now, chain)
-        return self._fewest(candidates)
+        return self._fewest(candidates, now)
 
     def _predicted(self, candidates: list[Replica], prompt: int, now: float, chain: Chain | None) -> Replica:
         cap = math.ceil(LOAD_BOUND * (sum(u.in_flight for u in candidates) + 1) / len(candidates)) + LOAD_SLACK
-        candidates = [u for u in candidates if u.in_flight < cap] or candidates
+        under = [u for u in candidates if u.in_flight < cap]
+        if under and len(under) < len(candidates):  # (the overflow: only to a replica about as fast as the fastest)
+            speed = {u.label: u.forecast.expect(prompt) for u in candidates}
+            fastest = min(speed.values())
+            if any(speed[u.label] <= SPILL * fastest + TIE_S for u in under):
+                candidates = under
         session = chain.session if chain is not None and chain.total >= AFFINITY_TOKENS else 0
         cached = [u.prefixes.match(chain) if chain is not None else 0 for u in candidates]
         if chain is not None and chain.shared:  # (the agent's system prompt and tools: on every replica once on one)
@@ -125,7 +146,7 @@ class Picker:
         if len(keep) > 1 and (session % 1000 < EPSILON * 1000 if session else self.rng.random() < EPSILON):  # (a conversation's: the same in every proxy)
             return self._rendezvous(keep, session) if session else self.rng.choice(keep)
         if not session and all(u.forecast.n < MIN_SAMPLES for u in candidates):  # (nothing measured: only non-streaming answers)
-            return self._fewest(candidates)
+            return self._fewest(candidates, now)
         f = lambda u, c: u.forecast.expect(u.forecast.pending + max(0, prompt - c))  # noqa: E731  (a replica not fitted yet: the prior)
         scored = [(f(u, c) / max(FLOOR, 1 - u.health.share(now)), c, u) for u, c in zip(candidates, cached)]
         best = min(s for s, _, _ in scored)
@@ -139,10 +160,12 @@ class Picker:
         most = max(c for c, _ in tied)  # (within the noise, the replica holding more of the prompt: a tie never throws a prefix away)
         return self._tie([u for c, u in tied if c == most], session)
 
-    def _fewest(self, candidates: list[Replica]) -> Replica:
-        """Those with the fewest in flight, each in turn."""
-        fewest = min(u.in_flight for u in candidates)
-        return self._tie([u for u in candidates if u.in_flight == fewest])
+    def _fewest(self, candidates: list[Replica], now: float) -> Replica:
+        """Those with the fewest in flight, this one counted, over the share of their recent attempts that did not fail
+        (sick or busy: a replica refusing half of them for load looks twice as loaded), each in turn."""
+        scores = [(u.in_flight + 1) / max(FLOOR, 1 - u.health.share(now)) for u in candidates]
+        fewest = min(scores)
+        return self._tie([u for u, score in zip(candidates, scores) if score == fewest])
 
     def _tie(self, group: list[Replica], session: int = 0) -> Replica:
         """A conversation's by rendezvous (every proxy agrees; the load bound above keeps it from piling up); any

@@ -1,17 +1,23 @@
 """Which replica a request is on, and moving it to another: the relay's side of a route's retries.
 
 The relay makes an attempt on the replica `use` placed the request on; when the attempt fails before
-anything reached the client (a connect error, a 5xx or 429, no first token by its deadline),
-`may_retry` says whether another attempt is allowed (retries left, an untried replica the picker
-may use, the route's retry budget: retry.py) and picks that replica, and `fail_over` abandons the
-attempt: its connection closed (mid-body: aborted, so the engine frees the slot), the attempt kept
-on the record (its own trace span, its time the phase `failover`), the request placed on the next
-replica. Each attempt also tells its replica's two judges: its forecast (forecast.py), whose
-pending prefill work holds the prompt until the first token comes or the attempt ends (`settle`),
-and its health (health.py), which hears one verdict per attempt: a success at the first content
-token (or an answer that is not a failure), a failure when it is abandoned or ends failing (with
-the Retry-After it asked for), or nothing (a 4xx, a client that left). When the request finishes, its
-`Lesson` fits the forecast and checks the prefix index against what the engine reported cached.
+anything reached the client (a connect error, a 5xx or 429, an error the stream reported before its
+first content, no first token or no answer by its deadline), `may_retry` says whether another
+attempt is allowed (retries left, an untried replica the picker may use, the route's retry budget:
+retry.py) and picks that replica, and `fail_over` abandons the attempt: its connection closed
+(mid-body: aborted, so the engine frees the slot), the attempt kept on the record (its own trace
+span, its time the phase `failover`), the request placed on the next replica. Each attempt also
+tells its replica's judges: its forecast (forecast.py), whose pending prefill work holds the prompt
+until the first token comes or the attempt ends (`settle`); its health (health.py), which hears one
+verdict per attempt: a success at the first content token (or an answer that is not a failure), a
+sick failure (the Retry-After a 503 asked for), a busy one (a 429, a missed deadline), or nothing (a
+4xx, a client that left); and its prefix index (prefix.py), which holds the prompt once the replica
+answered it, never on the strength of a send alone, and remembers a conversation away from a replica
+that failed it. When the request finishes, its `Lesson` fits the forecast and checks the prefix index
+against what the engine reported cached.
+
+A deadline is based on the whole prompt unless the replica has confirmed that it caches (it reported
+cached tokens): a cache no engine confirmed never shortens one.
 """
 from __future__ import annotations
 
@@ -22,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from ..measure.timing import now_ns
 from ..wire.prompt import Chain
 from .forecast import Forecast
-from .picker import Picker
+from .picker import Picker, forced
 from .prefix import Use
 from .retry import Attempt
 
@@ -36,12 +42,16 @@ if TYPE_CHECKING:
     from .routes import Router, Rule
 
 
-def failed(t: RequestTiming) -> bool:
-    """The request's last attempt ended in the replica's failure: a timeout, the proxy unable to reach or
-    read it, a 5xx or 429 it answered, or its stream broken."""
+def failed(t: RequestTiming) -> str:
+    """How the request's last attempt ended for its replica: "sick" (a timeout, the proxy unable to reach or read
+    it, a 5xx it answered, its stream broken or failed in-band), "busy" (a 429), "" (not its failure)."""
     if t.outcome == "timeout":
-        return True
-    return t.outcome == "upstream_error" and (bool(t.error) or t.status_code >= 500 or t.status_code == 429)
+        return "sick"
+    if t.outcome != "upstream_error":
+        return ""
+    if t.status_code == 429:
+        return "busy"
+    return "sick" if t.error or t.status_code >= 500 else ""
 
 
 @dataclass(slots=True)
@@ -54,6 +64,8 @@ class Lesson:
     own: int  # of those, this prompt's (its uncached part as predicted: prefix.py)
     estimate: int  # this prompt's estimated tokens, cached or not (wire/prompt.py)
     use: Use | None  # its prompt on the replica's prefix index, for the check (prefix.py)
+    deadline_x: int = 0  # x as a deadline reads it: the whole prompt, unless the replica confirmed its cache
+    replica: Replica | None = None
 
     def finished(self, t: RequestTiming, b: Breakdown | None) -> None:
         self._checked(t)
@@ -70,6 +82,8 @@ class Lesson:
         use, cached, prompt = self.use, t.cached_prompt_tokens, t.prompt_tokens
         if cached is None or not prompt or t.outcome != "ok":
             return  # (unchecked: the index is trusted, and the fit's point is its prediction)
+        if cached and self.replica is not None:
+            self.replica.caches = True  # (from now on its predicted hits may shorten a deadline)
         share = min(1.0, cached / prompt)
         self.x += round(self.estimate * (1 - share)) - self.own
         if use is not None and use.prompt.total:
@@ -79,7 +93,7 @@ class Lesson:
 
 class Placement:
     __slots__ = ("router", "telemetry", "ctx", "rule", "prompt", "chain", "upstream", "tried", "next", "pending", "probe", "judged",
-                 "retry_after", "lesson")
+                 "retry_after", "lesson", "forced", "sent_s", "retried")
 
     def __init__(self, router: Router, telemetry: Telemetry, ctx: RequestContext, rule: Rule, prompt: int,
                  chain: Chain | None = None) -> None:
@@ -93,14 +107,19 @@ class Placement:
         self.judged = False  # its replica's health heard this attempt's verdict
         self.retry_after: float | None = None  # what the replica's 429 or 503 asked for (s)
         self.lesson: Lesson | None = None  # what the attempt's replica learns at finish
+        self.forced = False  # placed on a replica set aside (the route served it by force)
+        self.sent_s = 0.0  # when this attempt was placed (monotonic s)
+        self.retried = False  # a retry of this request is counted in flight on its route's budget
 
     def use(self, upstream: Replica) -> None:
         """The next attempt goes to `upstream`: counted in flight there, its prompt's uncached part (what the replica's
-        prefix index does not hold) in its pending work, and the whole prompt in that index from now on."""
+        prefix index holds of it, answered there before) in its pending work."""
         ctx = self.ctx
         self.upstream, ctx.server = upstream, (upstream.pool.host, upstream.pool.port)
         if ctx.upstream and ctx.upstream != upstream.label:
             self.telemetry.moved(ctx, upstream.label)
+        if not self.tried:
+            self.rule.budget.started()
         ctx.upstream = upstream.label
         upstream.in_flight += 1
         f, now, own, use = upstream.forecast, time.monotonic(), self.prompt, None
@@ -110,11 +129,11 @@ class Placement:
             unseen = chain.opening and predicted <= chain.shared  # (a conversation past its first turn, not seen there)
             use = Use(index, chain, predicted, Picker.rivals(self.router.replicas(self.rule), upstream, chain) if unseen else ())
             own = max(0, own - predicted)
-            index.sent(chain)
-        ctx.lesson = self.lesson = Lesson(f, f.pending + own, own, self.prompt, use)
+        ctx.lesson = self.lesson = Lesson(f, f.pending + own, own, self.prompt, use, f.pending + (own if upstream.caches else self.prompt), upstream)
         f.pending += own
         f.last_s, f.sent = now, f.sent + 1
-        self.pending = own
+        self.pending, self.sent_s = own, now
+        self.forced = forced(upstream, now)
         self.probe, self.judged, self.retry_after = upstream.health.sent(now), False, None
 
     def body(self, parsed: dict[str, Any] | None, original: bytes, route: apis.Route, inject_usage: bool) -> tuple[bytes, bool]:
@@ -134,7 +153,23 @@ class Placement:
         deadline, lesson = self.rule.first_token_deadline, self.lesson
         if deadline is None or lesson is None:  # (no route deadline, or not placed yet: `use` sets both)
             return None
-        return lesson.forecast.deadline_s(deadline, lesson.x)
+        return lesson.forecast.deadline_s(deadline, lesson.deadline_x)
+
+    def watch_s(self) -> float | None:
+        """How long this attempt's replica may go without a sign of working before the attempt leaves it: the active
+        checks' interval and timeout (checks.py); None: no checks on it, nothing to go by."""
+        upstream = self.upstream
+        return self.router.checks.window_s if upstream is not None and upstream.health.checked else None
+
+    def silent(self, now: float, interval_s: float) -> bool:
+        """This attempt's replica has shown no sign of working since it was sent (no check passed, no first token, no
+        answer), and had the time to (`interval_s`: a check's interval and timeout), or a check failed since: a
+        request that came whole (not a stream) and has no answer yet is on a replica that may be wedged."""
+        upstream = self.upstream
+        if upstream is None:
+            return False
+        health = upstream.health
+        return health.alive_s < self.sent_s and (health.check_failed_s >= self.sent_s or now - self.sent_s >= interval_s)
 
     def settle(self) -> None:
         """Its prompt no longer waits on the replica (the first token came, or the attempt ended)."""
@@ -145,21 +180,28 @@ class Placement:
     def first_token(self) -> None:
         """The attempt's first content token: its prompt prefilled, and the replica serves (the pump tells)."""
         self.settle()
-        self._judge(False)
+        self._judge("")
 
-    def could_retry(self) -> bool:
-        """Another attempt could follow this one now: retries left, a replica left to try, budget to spend (nothing counted)."""
+    def could_retry(self, budgeted: bool = True) -> bool:
+        """Another attempt could follow this one now: retries left, a replica left to try, budget to spend if `budgeted`
+        (nothing counted)."""
         rule, upstream = self.rule, self.upstream
         return (upstream is not None and len(self.ctx.timing.attempts) < rule.retries
-                and self.router.could_retry(rule, (*self.tried, upstream.label)) and rule.budget.could_allow())
+                and self.router.could_retry(rule, (*self.tried, upstream.label)) and (not budgeted or self.retried or rule.budget.could_allow()))
 
-    def may_retry(self) -> bool:
-        """Retries left, an untried replica (chosen now), and the budget holds (counted when it does)."""
+    def may_retry(self, budgeted: bool = True) -> bool:
+        """Retries left, an untried replica (chosen now), and, for a retry the budget bounds, the budget holds (counted
+        when it does). The budget bounds the retries that add load: an attempt abandoned for being slow (a deadline, a
+        silent replica) or refused for load (a 429, a full pool); a replica that failed at once (a refused connection, a
+        5xx, an error in-band before content) did no work, and its outlier detection sets it aside."""
         rule, upstream = self.rule, self.upstream
         if upstream is None or len(self.ctx.timing.attempts) >= rule.retries:
             return False
         self.next = self.router.choose(rule, self.prompt, (*self.tried, upstream.label), chain=self.chain)
-        return self.next is not None and rule.budget.allow()
+        if self.next is None or (budgeted and not (self.retried or rule.budget.allow())):
+            return False
+        self.retried = self.retried or budgeted
+        return True
 
     def fail_over(self, reason: str, response: Connection | None) -> None:
         """The attempt abandoned for `self.next` (which `may_retry` chose)."""
@@ -172,7 +214,10 @@ class Placement:
         t.attempts.append(Attempt(upstream.label, reason, t.issued_ns or now, now, span_id, upstream.pool.host, upstream.pool.port))
         if t.first_issued_ns is None:
             t.first_issued_ns = t.issued_ns or now
-        self._judge(True)
+        self._judge("busy" if reason in ("status_429", "deadline") else "sick")
+        lesson = self.lesson
+        if reason == "deadline" and lesson is not None and lesson.use is not None and lesson.use.predicted:
+            lesson.use.index.forget(lesson.use.prompt)  # (a predicted hit that missed its deadline: evicted, likely)
         if response is not None:
             upstream.pool.release(response)  # mid-body: aborted
         upstream.in_flight -= 1
@@ -184,27 +229,36 @@ class Placement:
 
     def finish(self) -> None:
         """The request ended: no longer in flight on its replica, which hears the last attempt's verdict."""
+        self.rule.budget.ended(self.retried)
         if self.upstream is not None:
             self.upstream.in_flight -= 1
             self.settle()
             t = self.ctx.timing
-            if failed(t):
-                self.judged = False  # (a stream that broke after its first token: a failure after all)
-                self._judge(True)
+            failure = failed(t)
+            if failure:
+                self.judged = self.judged and failure == "busy"  # (a stream that broke after its first token: a failure after all)
+                self._judge(failure)
             elif t.outcome == "ok" and t.status_code < 400:
-                self._judge(False)
+                self._judge("")
             elif not self.judged and self.upstream is not None:
                 self.judged = True
                 self.upstream.health.ended(self.probe)
 
-    def _judge(self, failure: bool) -> None:
-        """The attempt's verdict, once, to its replica's health."""
+    def _judge(self, failure: str) -> None:
+        """The attempt's verdict, once, to its replica's health ("": it served; "sick"; "busy") and its prefix index: a
+        prompt answered there is held there, a conversation failed there is remembered away from it."""
         upstream = self.upstream
         if self.judged or upstream is None:
             return
         self.judged = True
-        now = time.monotonic()
-        if failure:
-            upstream.health.failed(now, self.probe, self.retry_after)
+        now, health, chain = time.monotonic(), upstream.health, self.chain
+        if failure == "busy":
+            health.busy(now, self.probe, self.retry_after if upstream.pool.key is not None else None)
+        elif failure:
+            health.failed(now, self.probe, self.retry_after)
+            if chain is not None and chain.session:
+                upstream.prefixes.lost(chain)
         else:
-            upstream.health.succeeded(now, self.probe)
+            health.succeeded(now, self.probe, self.forced)
+            if chain is not None:
+                upstream.prefixes.sent(chain)

@@ -8,7 +8,8 @@ replica, the prompts it sent there as their chains of links (wire/prompt.py: eac
 the whole prompt up to it, with its size in estimated tokens). A request's cached part on a replica is its
 longest chain of links the replica's index holds (`match`). The index is an LRU bounded in tokens and
 in links (`Index`: its memory, whatever the prompts' shapes); it is
-updated when a request is sent there (`sent`), and corrected by what the response reports
+updated when the replica answered a request (`sent`, told by placement.py at its first token or its
+answer: a prompt a replica failed is not cached there), and corrected by what the response reports
 (`prompt_tokens_details.cached_tokens`, `cache_read_input_tokens`, llama.cpp's `cache_n`, Gemini's
 `cachedContentTokenCount`): a replica that reports fewer cached tokens than predicted has evicted what
 the index still holds, so the index holds that much less from then on, its oldest links forgotten
@@ -86,6 +87,15 @@ class Index:
         self.away.move_to_end(prompt.session)
         if len(self.away) > AWAY_MAX:
             self.away.popitem(last=False)
+
+    def forget(self, prompt: Chain) -> None:
+        """The prompt is likely evicted here (a predicted hit missed its deadline): its links past what every session
+        shares forgotten, the conversation not marked away (it may live here still, re-prefilled)."""
+        links, seen = self.links, 0
+        for link, size in zip(prompt.hashes, prompt.tokens):
+            seen += size
+            if seen > prompt.shared and (held := links.pop(link, None)) is not None:
+                self.held -= held
 
     def reported(self, predicted: int, cached: int) -> None:
         """The engine reported `cached` tokens of a prompt this index predicted `predicted` of (both estimated). Fewer:

@@ -12,7 +12,7 @@ from .prefix import Index
 
 
 class Replica:
-    __slots__ = ("pool", "label", "in_flight", "forecast", "prefixes", "health")
+    __slots__ = ("pool", "label", "in_flight", "forecast", "prefixes", "health", "caches")
 
     def __init__(self, pool: Pool) -> None:
         self.pool = pool
@@ -21,3 +21,4 @@ class Replica:
         self.forecast = Forecast()
         self.prefixes = Index()  # the prompts sent to it, as its prefix cache may hold them
         self.health = Health()  # (the router gives it the routes file's policy)
+        self.caches = False  # it reported cached prompt tokens: its predicted hits may shorten a deadline (placement.py)

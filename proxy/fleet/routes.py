@@ -16,9 +16,10 @@ The routing file (YAML):
         first_token_deadline: 2.0         # optional: seconds to the first content token; then another replica
         retries: 1                        # further replicas tried at most per request (default: 1 with a deadline, else 0)
         pick: predicted_ttft              # or fewest_in_flight (the default)
-        retry_budget: {ratio: 0.1, min_per_second: 3, window: 10}   # optional (these defaults): retry.py
+        retry_budget: {ratio: 0.2, min_concurrency: 3}   # optional (these defaults, Envoy's): retry.py
     default: vllm-a                       # optional: else an unknown model is a 404 model_not_found
     ejection: {consecutive_failures: 5, base_time: 30}   # optional (health.py has every key), or `off`
+    health_check: {path: /health, interval: 1, timeout: 1}   # optional (checks.py has every key), or `off`
 
 Every key of the file is checked: an unknown one (a typo in `first_token_deadline` would leave an
 operator believing they have failover) is refused with its line. A route with `retries` tries
@@ -26,8 +27,8 @@ another of its replicas when an attempt fails before anything reached the client
 5xx or 429, or (with `first_token_deadline`) no content token by the deadline, within its retry
 budget (retry.py); `pick: predicted_ttft` sends each request to the replica with the lowest
 predicted time to first token (forecast.py). Every replica's health is judged from every attempt
-sent to it (health.py): one failing is set aside, by default, whatever the route's `pick`
-(picker.py filters, scores and picks).
+sent to it (health.py) and, for a route of several, from active checks (checks.py): one failing is
+set aside, by default, whatever the route's `pick` (picker.py filters, scores and picks).
 
 A route's `url` maps request paths exactly as `--upstream` does (`Pool.target`, upstream/pool.py): the client's
 path goes below the URL's path less a final `/v1`, so one upstream serves OpenAI's `/v1/…`,
@@ -54,6 +55,7 @@ from ..config import Settings, checked_entry, parse_yaml, read_text
 from ..upstream.connection import Budget
 from ..upstream.pool import Pool
 from ..wire.prompt import Chain
+from .checks import CheckSpec, targets
 from .health import EjectionSpec, Health
 from .picker import Picker
 from .replica import Replica
@@ -114,6 +116,7 @@ class Router:
         self.globbed: dict[str, Rule | None] = {}  # a model's glob route, once matched (bounded)
         self.default: str | None = None
         self.ejection = EjectionSpec()
+        self.checks = CheckSpec(enabled=False)  # a routes file's `health_check` (on by default there)
         self.picker = Picker()
         if settings.routes:
             self._install(*self._parse(settings.routes))
@@ -129,13 +132,14 @@ class Router:
         upstream.health = Health(self.ejection, None if report is None else lambda reason, seconds: report(upstream.label, reason, seconds))
         return upstream
 
-    def _parse(self, path: str) -> tuple[dict[str, Settings], list[Rule], str | None, EjectionSpec]:
+    def _parse(self, path: str) -> tuple[dict[str, Settings], list[Rule], str | None, EjectionSpec, CheckSpec]:
         data = parse_yaml(read_text(path, f"routes file {path}"), f"routes file {path}")
         if not isinstance(data, dict) or not isinstance(data.get("upstreams"), list) or not isinstance(data.get("routes", []), list):
             raise ValueError(f"routes file {path}, line 1: expected `upstreams:` (a list) and `routes:` (a list)")
-        unknown = sorted(set(data) - {"upstreams", "routes", "default", "ejection", "__line__"})
+        unknown = sorted(set(data) - {"upstreams", "routes", "default", "ejection", "health_check", "__line__"})
         if unknown:
-            raise ValueError(f"routes file {path}, line {data['__line__']}: unknown keys {unknown} (known: upstreams, routes, default, ejection)")
+            raise ValueError(f"routes file {path}, line {data['__line__']}: unknown keys {unknown} "
+                             f"(known: upstreams, routes, default, ejection, health_check)")
         specs: dict[str, Settings] = {}
         for spec in data["upstreams"]:
             settings = _upstream_settings(self.settings, spec, f"routes file {path}")
@@ -146,11 +150,14 @@ class Router:
         default = data.get("default")
         if default is not None and default not in specs:
             raise ValueError(f"routes file {path}: default {default!r} is not an upstream")
-        ejection = data.get("ejection")
+        ejection, checks = data.get("ejection"), data.get("health_check")
         line = ejection.get("__line__", "?") if isinstance(ejection, dict) else data["__line__"]
-        return specs, routes, default, EjectionSpec.parse(ejection, f"routes file {path}, line {line}")
+        checks_line = checks.get("__line__", "?") if isinstance(checks, dict) else data["__line__"]
+        return (specs, routes, default, EjectionSpec.parse(ejection, f"routes file {path}, line {line}"),
+                CheckSpec.parse(checks, f"routes file {path}, line {checks_line}"))
 
-    def _install(self, specs: dict[str, Settings], routes: list[Rule], default: str | None, ejection: EjectionSpec) -> None:
+    def _install(self, specs: dict[str, Settings], routes: list[Rule], default: str | None, ejection: EjectionSpec,
+                 checks: CheckSpec) -> None:
         """The parsed file in force. An upstream whose definition did not change keeps its pool and its
         health (a replica set aside stays aside: a reload is no cure), under the new `ejection` policy."""
         upstreams = {}
@@ -169,6 +176,10 @@ class Router:
         self.upstreams, self.routes, self.default = upstreams, routes, default
         self.fallback = Rule(("*",), (default,)) if default is not None else None
         self.exact, self.globbed = {}, {}
+        self.checks = checks
+        checked = {u.label for u, _ in self.check_targets()}
+        for name, upstream in upstreams.items():
+            upstream.health.checked = name in checked  # (its checks, not user requests, bring it back: health.py)
         for rule in routes:
             for model in rule.models:
                 if not any(c in model for c in "*?["):
@@ -191,6 +202,10 @@ class Router:
                 if len(self.globbed) < GLOBBED_MAX:
                     self.globbed[model] = rule
         return rule if rule is not None else self.fallback
+
+    def check_targets(self) -> list[tuple[Replica, str]]:
+        """The replicas the active checks look at now (checks.py), with a model each; none with checks off."""
+        return targets(self.routes, self.upstreams) if self.checks.enabled else []
 
     def replicas(self, rule: Rule) -> list[Replica]:
         return [self.upstreams[n] for n in rule.upstreams]

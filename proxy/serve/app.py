@@ -22,6 +22,7 @@ from starlette.types import Receive, Scope, Send
 from .. import apis, records
 from ..config import Settings
 from ..fleet import forecast
+from ..fleet.checks import Checker
 from ..fleet.health import EJECT_REASONS, STATES
 from ..fleet.replica import Replica
 from ..fleet.routes import Router
@@ -187,6 +188,9 @@ class ProxyApp:
         if tokenizer is not None:  # load the BPE tables before the first request needs them
             tokenizer.preload()
         self.offload.start_worker()
+        checker = Checker(self.router)  # the active health checks (fleet/checks.py), off the user path
+        if self.settings.routes:
+            checker.start()
         # What start-up made (some 60,000 objects: the libraries' modules, the app) lives as long as the
         # process: frozen, it is never walked again, and a full collection, which stalls every stream
         # on this loop, walks only what serving made (50-60 ms less per full collection here).
@@ -198,6 +202,7 @@ class ProxyApp:
             if watcher is not None:
                 watcher.cancel()
             lag.stop()
+            await checker.stop()
             await self.telemetry.drain()  # every finished request exported before the exporters stop
             store = self.outbox
             if store is not None:  # what is buffered, written within the deadline (the rest: counted, `shutdown`)

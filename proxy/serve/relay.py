@@ -12,12 +12,16 @@ and if the upstream compresses anyway, the client gets the decoded stream. A str
 cannot be decoded or framed (an event past `--max-event-bytes`) is relayed as it comes and counted
 as unmeasured.
 
-Attempts: a stream on a route with a first-token deadline is held (nothing reaches the client
-before its first content token) only while another attempt could follow it: a replica left to try
-and retry budget to spend. The deadline is the route's, or more for a prompt its replica is
-expected to take longer over (forecast.py). When it passes, the attempt is abandoned if a retry is
-allowed then; if not, what was held goes out at once and the rest as it comes. The first-token
-limit (`first_token_timeout`) bounds the request across its attempts.
+Attempts: a stream is held (nothing reaches the client before its first content token) only while
+another attempt could follow it: a replica left to try and retry budget to spend. On a route with a
+first-token deadline (the route's, or more for a prompt its replica is expected to take longer over:
+forecast.py), when it passes, the attempt is abandoned if a retry is allowed then; if not, what was
+held goes out at once and the rest as it comes. A held stream that reports an error before its first
+content is abandoned the same way. A request with no first byte yet (an answer that comes whole: its
+headers; a stream: its first token) on a replica that has shown no sign of working since it was
+sent, by the active checks' verdicts (fleet/checks.py), is abandoned for another: a wedged replica
+holds no request longer than a check's interval and timeout past the deadline. The first-token limit
+(`first_token_timeout`) bounds the request across its attempts.
 """
 from __future__ import annotations
 
@@ -39,8 +43,8 @@ from ..measure.timing import STAMPS, RequestTiming, note_slow_client, now_ns
 from ..wire import prompt as shape
 from ..wire.engine import from_llamacpp, from_vllm
 from ..wire.text import MODEL_CHARS, storable
-from .reply import Reply, content_length
-from .request import ClientGone, check_request, filter_headers, read_body
+from .reply import Reply, options_rejected, without_options
+from .request import ClientGone, check_request, read_body
 
 if TYPE_CHECKING:
     from ..fleet.replica import Replica
@@ -52,8 +56,6 @@ if TYPE_CHECKING:
     from .tenants import Tenants
 
 log = logging.getLogger("llmproxy.relay")
-
-ERROR_BODY_LIMIT = 64 * 1024  # an upstream 400 read whole, to see whether it rejects stream_options
 
 
 class AppView(Protocol):
@@ -88,7 +90,8 @@ class Exchange:
         self.response: Connection | None = None
         self.place: Placement | None = None  # which replica of its route it is on (made once the body is parsed)
         self.task: asyncio.Task[Any] | None = None
-        self.failing_over = ""  # why the deadline abandons the attempt ("": it does not)
+        self.failing_over = ""  # why the attempt is abandoned ("": it is not)
+        self.watch: asyncio.TimerHandle | None = None  # looks at the replica while no first byte came (`_on_watch`)
         self.holding = False  # this attempt's stream is held for its first token (another attempt may follow)
         self.first_token_by: float | None = None  # the first-token limit of the request, across its attempts (loop time)
         self.route = apis.OTHER  # what the path means: its API (dialect) and endpoint
@@ -157,11 +160,9 @@ class Exchange:
             self._let_go()
 
     def _let_go(self) -> None:
-        """The request is over. What it built refers back to itself: the reply's callbacks are this
-        exchange's methods, the pump's the reply's, and the body writer, kept in the scope of the
-        server's cycle, holds that cycle. Those links are cut here, so that reference counting frees
-        it all at once; left to the garbage collector, 40-odd objects a request were what its
-        young collections walked (their CPU, and their pauses on every stream)."""
+        """The request is over. What it built refers back to itself (the reply's callbacks, the pump's, the body
+        writer held by the server's cycle): cut here, reference counting frees it all at once; left to the garbage
+        collector, 40-odd objects a request were what its young collections walked (their CPU, their pauses)."""
         self._drop_reply()
         self.stamps.pop("writer", None)
 
@@ -211,7 +212,6 @@ class Exchange:
         upstream = app.router.choose(rule, prompt, chain=chain) if rule is not None else None
         if rule is None or upstream is None:
             raise ModelNotRouted(f"the model `{t.model}` is not routed by this proxy (see its routing file)")
-        rule.budget.request()
         self.place = Placement(app.router, app.telemetry, ctx, rule, prompt, chain)
         self.place.use(upstream)
         if parsed is not None:
@@ -256,14 +256,14 @@ class Exchange:
                 self._drop_reply()
                 self.failing_over = ""
 
-    def _may_retry(self) -> bool:
+    def _may_retry(self, budgeted: bool = True) -> bool:
         """Another attempt: nothing reached the client, which is still there, and the route gives one (placement.py)."""
-        return not self.started and not self.client_gone and self.place is not None and self.place.may_retry()
+        return not self.started and not self.client_gone and self.place is not None and self.place.may_retry(budgeted)
 
     def _on_deadline(self) -> None:
         """This attempt's first-token deadline, no content yet: abandon it if another attempt is allowed now;
         if not, nothing is held any longer (what was goes out now, the rest as it comes)."""
-        if self.t.content_ns or self.task is None:
+        if self.t.content_ns or self.task is None or self.failing_over:
             return
         if self._may_retry():
             self.failing_over = "deadline"
@@ -272,6 +272,30 @@ class Exchange:
             self.holding = False
             if self.reply is not None and self.reply.pump is not None:
                 self.reply.pump.unhold()
+
+    def _on_watch(self, window_s: float) -> None:
+        """No first byte yet (see `_first_byte`): if the replica has shown no sign of working since this attempt was
+        sent, it is left for another (if one is allowed); else looked at again a check's interval later."""
+        place, task = self.place, self.task
+        if self._first_byte() or task is None or place is None or self.failing_over:
+            return
+        if place.silent(time.monotonic(), window_s):
+            if self._may_retry():
+                self.failing_over = "silent"
+                task.cancel()
+            return
+        self.watch = asyncio.get_running_loop().call_later(window_s / 2, self._on_watch, window_s)
+
+    def _first_byte(self) -> bool:
+        """What a client waits for first has come: a stream's first content token, or an answer's head."""
+        return bool(self.t.content_ns) if self.t.stream else self.response is not None
+
+    def _in_band_failed(self) -> bool:
+        """A held stream reported an error before its first content: True, another attempt follows."""
+        if self.failing_over or not self._may_retry(budgeted=False):
+            return False
+        self.failing_over = "stream_error"
+        return True
 
     async def _attempt(self, body: bytes, original: bytes, headers: list[tuple[bytes, bytes]]) -> None:
         t, upstream, place = self.t, self.upstream, self.place
@@ -282,28 +306,38 @@ class Exchange:
         limit = upstream.pool.first_token_timeout
         query = self.route.dialect.upstream_query(self.scope.get("query_string", b""), upstream.pool.key is not None or bool(self.app.client_keys))
         url = upstream.pool.target(self.scope["path"], query)
+        retry = not self.started and place.could_retry(budgeted=False)
         hold = place.deadline_s() if t.stream else None
-        self.holding = hold is not None and not self.started and place.could_retry()  # held only while a retry could follow
+        self.holding = t.stream and retry  # held only while a retry could follow
         deadline = loop.call_later(hold, self._on_deadline) if self.holding and hold is not None else None
+        window = place.watch_s() if retry else None  # (the active checks' verdicts: a replica wedged)
+        self.watch = loop.call_later(max(window, place.deadline_s() or 0.0), self._on_watch, window) if window is not None else None
         try:
             async with asyncio.timeout_at(self.first_token_by) as silence:
                 try:
                     response = self.response = await upstream.pool.send(self.scope["method"], url, headers, body, t)
                 except TimeoutError:
                     raise UpstreamTimeout(f"no response from the upstream within {limit} s ({upstream.label})") from None
-                if self.injected and response.status == 400:
-                    retried = await self._unless_options_rejected(response, url, headers, original)
-                    if retried is None:
+                except ProxyOverloaded as full:  # (the proxy's own pool to it full: another replica's may not be)
+                    if full.reason == "pool" and self._may_retry():
+                        raise FailOver("pool_full") from None
+                    raise
+                if self.injected and response.status == 400:  # (an upstream that rejects stream_options gets the client's own request)
+                    if not await options_rejected(response, self._start, self.send, t):
                         return
-                    response = retried
+                    self.response, self.injected = None, False
+                    response = self.response = await without_options(upstream.pool, self.scope["method"], response, url, headers, original, t)
                 if response.status >= 500 or response.status == 429:
                     place.retry_after = retry_after_s(response.headers) if response.status in (429, 503) else None
-                    if self._may_retry():
+                    if self._may_retry(budgeted=response.status == 429):
                         raise FailOver("status_429" if response.status == 429 else "status_5xx")
                 app = self.app
                 self.reply = Reply(self.ctx, self.route, app.settings, lambda: app.admission.in_flight, self.send, self._start,
-                                   self.stamps.get("writer"), place.first_token, upstream.pool.read_timeout, self.injected)
+                                   self.stamps.get("writer"), place.first_token, upstream.pool.read_timeout, self.injected,
+                                   self._in_band_failed)
                 await self.reply.respond(response, silence, self.holding)
+                if self.failing_over == "stream_error":
+                    raise FailOver("stream_error")
         except asyncio.CancelledError:
             if not self.failing_over or self.client_gone or self.task is None:
                 raise
@@ -319,12 +353,15 @@ class Exchange:
                 return
             await self._broken(UpstreamTimeout("the upstream sent no first token in time" if not t.content_ns else "the upstream went silent mid-stream"))
         except TransportError as exc:
-            if self._may_retry():
+            if self._may_retry(budgeted=False):
                 raise FailOver("connect_error" if self.response is None else "broken") from None
             await self._broken(map_transport_error(exc, upstream.label))
         finally:
             if deadline is not None:
                 deadline.cancel()
+            if self.watch is not None:
+                self.watch.cancel()
+                self.watch = None
 
     async def _broken(self, error: ProxyError) -> None:
         """The upstream failed: a clean error if nothing was sent yet, else the stream breaks as it would directly."""
@@ -334,38 +371,6 @@ class Exchange:
         t = self.t
         t.outcome, t.error = error.outcome, f"mid_stream:{error.code}"
         log.warning("upstream stream ended early: %s", error)
-
-    async def _unless_options_rejected(self, response: Connection, url: bytes, headers: list[tuple[bytes, bytes]],
-                                       original: bytes) -> Connection | None:
-        """An upstream that rejects stream_options (older Azure api-versions) gets the client's own
-        request again, and is not asked again; any other 400 goes to the client as it came."""
-        t = self.t
-        raw = b""
-        while part := await response.read():
-            raw += part
-            if len(raw) > ERROR_BODY_LIMIT:
-                break
-        if b"stream_options" not in raw or len(raw) > ERROR_BODY_LIMIT:
-            await self._start(response.status, content_length(filter_headers(response.headers), raw))
-            await self.send({"type": "http.response.body", "body": raw, "more_body": len(raw) > ERROR_BODY_LIMIT})
-            if len(raw) > ERROR_BODY_LIMIT:  # (the rest as it comes, never read)
-                while part := await response.read():
-                    await self.send({"type": "http.response.body", "body": part, "more_body": True})
-                await self.send({"type": "http.response.body", "body": b"", "more_body": False})
-            t.status_code, t.outcome = response.status, "upstream_error"
-            t.upstream_end_ns = t.response_end_ns = now_ns()
-            return None
-        upstream = self.upstream
-        assert upstream is not None
-        log.warning("the upstream %s rejects stream_options: requests go unchanged from now on", upstream.label)
-        upstream.pool.rejects_stream_options = True
-        self.response = None
-        upstream.pool.release(response)
-        self.injected = False
-        t.reset_upstream()
-        headers = [(k, str(len(original)).encode() if k == b"content-length" else v) for k, v in headers]
-        response = self.response = await upstream.pool.send(self.scope["method"], url, headers, original, t)
-        return response
 
     async def _start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.started = True

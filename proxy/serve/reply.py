@@ -10,6 +10,7 @@ body the proxy must rewrite is read whole first. An abandoned attempt's Reply is
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from ..measure.timing import now_ns
@@ -25,18 +26,22 @@ if TYPE_CHECKING:
     from .. import apis
     from ..config import Settings
     from ..measure.context import RequestContext
+    from ..measure.timing import RequestTiming
     from ..upstream.connection import Connection
+    from ..upstream.pool import Pool
 
+log = logging.getLogger("llmproxy.relay")
 Start = Callable[[int, list[tuple[bytes, bytes]]], Awaitable[None]]
+ERROR_BODY_LIMIT = 64 * 1024  # an upstream 400 read whole, to see whether it rejects stream_options
 
 
 class Reply:
     __slots__ = ("ctx", "t", "route", "settings", "in_flight", "send", "start", "writer", "on_first", "idle_s", "injected", "strip",
-                 "rewrite", "json_body", "body_encoding", "reader", "pump", "held_start")
+                 "rewrite", "json_body", "body_encoding", "reader", "pump", "held_start", "on_failed")
 
     def __init__(self, ctx: RequestContext, route: apis.Route, settings: Settings, in_flight: Callable[[], int],
                  send: Callable[[dict[str, Any]], Awaitable[None]], start: Start, writer: BodyWriter | None,
-                 on_first: Callable[[], None] | None, idle_s: float, injected: bool) -> None:
+                 on_first: Callable[[], None] | None, idle_s: float, injected: bool, on_failed: Callable[[], bool] | None = None) -> None:
         self.ctx, self.t, self.route, self.settings, self.in_flight = ctx, ctx.timing, route, settings, in_flight
         self.send, self.start, self.writer, self.on_first, self.idle_s = send, start, writer, on_first, idle_s
         self.injected = injected  # we asked for include_usage: drop the usage chunk, strip usage:null
@@ -47,6 +52,7 @@ class Reply:
         self.reader: Reader | None = None  # what the response's bytes meant
         self.pump: Pump | None = None  # the hot path of its body (pump.py)
         self.held_start: tuple[int, list[tuple[bytes, bytes]]] | None = None  # a held response's start, sent at its first content
+        self.on_failed = on_failed  # a held stream's error before its first content: True, another attempt follows (relay.py)
 
     async def respond(self, response: Connection, silence: asyncio.Timeout, hold: bool) -> None:
         """The head read: the client's start (or held, `hold`: a stream another replica may still take), then the body."""
@@ -92,7 +98,7 @@ class Reply:
         else:
             await self.start(response.status, out_headers)
         self.pump = Pump(t, self.send, self.reader, self.rewrite, self.json_body, silence, self.idle_s, self.writer,
-                         self._release if self.held_start is not None else None, self.on_first)
+                         self._release if self.held_start is not None else None, self.on_first, self.on_failed)
         await self.pump.run(response)
 
     async def _release(self) -> None:
@@ -115,3 +121,36 @@ class Reply:
 
 def content_length(headers: list[tuple[bytes, bytes]], body: bytes) -> list[tuple[bytes, bytes]]:
     return [(k, v) for k, v in headers if k.lower() != b"content-length"] + [(b"content-length", str(len(body)).encode())]
+
+
+async def options_rejected(response: Connection, start: Start, send: Callable[[dict[str, Any]], Awaitable[None]], t: RequestTiming) -> bool:
+    """An upstream's 400 to a request the proxy added stream_options to: True, it rejects them (the relay sends the
+    client's own request again); else the 400 goes to the client as it came."""
+    raw = b""
+    while part := await response.read():
+        raw += part
+        if len(raw) > ERROR_BODY_LIMIT:
+            break
+    if b"stream_options" in raw and len(raw) <= ERROR_BODY_LIMIT:
+        return True
+    await start(response.status, content_length(filter_headers(response.headers), raw))
+    await send({"type": "http.response.body", "body": raw, "more_body": len(raw) > ERROR_BODY_LIMIT})
+    if len(raw) > ERROR_BODY_LIMIT:  # (the rest as it comes, never read)
+        while part := await response.read():
+            await send({"type": "http.response.body", "body": part, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    t.status_code, t.outcome = response.status, "upstream_error"
+    t.upstream_end_ns = t.response_end_ns = now_ns()
+    return False
+
+
+async def without_options(pool: Pool, method: str, response: Connection, url: bytes, headers: list[tuple[bytes, bytes]], original: bytes,
+                          t: RequestTiming) -> Connection:
+    """The client's own request again, to an upstream that rejects stream_options (older Azure api-versions); it is
+    not asked for them again."""
+    log.warning("the upstream %s rejects stream_options: requests go unchanged from now on", pool.label)
+    pool.rejects_stream_options = True
+    pool.release(response)
+    t.reset_upstream()
+    headers = [(k, str(len(original)).encode() if k == b"content-length" else v) for k, v in headers]
+    return await pool.send(method, url, headers, original, t)

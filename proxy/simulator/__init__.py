@@ -88,6 +88,7 @@ class Simulator:
         self.config = config or SimConfig()
         self.tokenizer = tokenizer or Tokenizer()
         self.stats = SimStats()
+        self.generating = 0  # generation requests in flight (`max_streams`)
         self.decoding = 0  # streams between their first and last token now (the batching law's batch)
         self.prefill_free_at = 0.0  # with prefill_queue: when the prefill unit is free (monotonic s)
         self.rng = random.Random(self.config.seed)
@@ -122,8 +123,13 @@ class Simulator:
                     if key == "prefix_cache_tokens":
                         self.cache.clear()  # (a test's cold start)
             return await self._reply(send, _json_response(200, asdict(self.config)))
-        if path in ("/health", "/healthz"):
-            return await self._reply(send, _json_response(200, {"status": "ok"}))
+        if self.config.wedged:  # (accepted, never answered: until the client leaves)
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            return
+        if path in ("/health", "/healthz"):  # (a crashed engine's fails: vLLM's /health asks the engine)
+            status = self.config.error_status if self.config.error_status >= 500 else 200
+            return await self._reply(send, _json_response(status, {"status": "ok" if status == 200 else "engine dead"}))
         if path == "/v1/models":
             return await self._reply(send, _json_response(200, {"object": "list", "data": [{"id": "sim-7b", "object": "model", "created": FIXED_CREATED, "owned_by": "simulator"}]}))
         if path == "/api/tags":
@@ -138,6 +144,8 @@ class Simulator:
         # A simulated error is answered before the body is parsed, as an engine refuses what it will not serve
         # (an over-long prompt, a full queue) cheaply: a benchmark's hostile body costs the simulator no parse.
         status = int(headers.get("x-sim-error-status", "0") or 0) or self.config.error_status
+        if not status and 0 < self.config.max_streams <= self.generating:
+            status = 429  # (full: a fifth request on an engine of four slots)
         if status:
             retry_after = headers.get("x-sim-retry-after", self.config.retry_after)
             extra = [(b"retry-after", retry_after.encode())] if retry_after else []
@@ -164,7 +172,11 @@ class Simulator:
         if kind == "count_tokens":
             tokens = self.tokenizer.count_parts(anthropic.prompt_parts("messages", request))
             return await self._reply(send, _json_response(200, {"input_tokens": tokens}))
-        await self._generate(scope, receive, send, kind, request, headers, received)
+        self.generating += 1
+        try:
+            await self._generate(scope, receive, send, kind, request, headers, received)
+        finally:
+            self.generating -= 1
 
     async def _reply(self, send: Any, response: tuple[int, list[tuple[bytes, bytes]], bytes]) -> None:
         status, headers, body = response
@@ -245,7 +257,11 @@ class Simulator:
             return await self._reply(send, _json_response(400, error))
         api = {"messages": anthropic, "generate_content": gemini, "ollama_chat": ollama, "ollama_generate": ollama}.get(kind, openai)
         parts = api.prompt_parts(kind, request)
-        plan = self._plan(self.tokenizer.count_parts(parts), request, headers, parts.texts)
+        tokens = self.tokenizer.count_parts(parts)
+        if 0 < cfg.error_over_tokens < tokens:
+            error = {"error": {"message": f"simulated failure on a prompt of {tokens} tokens", "type": "simulated_error", "code": "500", "param": None}}
+            return await self._reply(send, _json_response(500, error))
+        plan = self._plan(tokens, request, headers, parts.texts)
         digest = hashlib.sha1(dumps([model, request.get("messages"), request.get("prompt"), request.get("max_tokens")])).hexdigest()[:24]
         ident = {"chat": "chatcmpl-", "responses": "resp_", "messages": "msg_"}.get(kind, "cmpl-") + digest
         created = FIXED_CREATED if cfg.deterministic else int(time.time())

@@ -77,6 +77,7 @@ async def stream(sim: "Simulator", send: Any, kind: str, ident: str, created: in
             await send({"type": "http.response.body", "body": event([choice(index, None, None, role=True)]), "more_body": True})
     drop_after = int(headers.get("x-sim-drop-after", "-1"))
     stall_after = int(headers.get("x-sim-stall-after", str(cfg.stall_after)))
+    error_after = int(headers.get("x-sim-stream-error-after", str(cfg.stream_error_after)))
     malformed = headers.get("x-sim-malformed") == "1"
     keepalive = float(headers.get("x-sim-keepalive-ms", "0")) / 1000
     padding = " " * int(headers.get("x-sim-token-bytes", "0"))
@@ -89,6 +90,10 @@ async def stream(sim: "Simulator", send: Any, kind: str, ident: str, created: in
                 return  # leave the response incomplete: uvicorn closes the connection mid-stream
             if 0 <= stall_after <= sent:
                 await asyncio.Event().wait()  # silent forever (until the client leaves)
+            if 0 <= error_after <= sent:  # failed in-band, as vLLM reports an engine error once the stream began
+                error = {"error": {"object": "error", "message": "simulated engine failure", "type": "InternalServerError", "param": None, "code": 500}}
+                await send({"type": "http.response.body", "body": b"data: " + orjson.dumps(error) + b"\n\ndata: [DONE]\n\n", "more_body": False})
+                return
             while keepalive and sent == 0 and received + at - time.monotonic() > keepalive:
                 await asyncio.sleep(keepalive)
                 await send({"type": "http.response.body", "body": b": keep-alive\n\n", "more_body": True})

@@ -32,6 +32,14 @@ class SimConfig:
     error_status: int = 0
     retry_after: str = ""
     prefix_cache_tokens: int = 0  # > 0: a prefix cache of this many tokens (cache.py) serves prompts it has seen
+    # The fleet's common faults: a full engine (a generation request arriving while `max_streams` are in flight is a 429,
+    # with `retry_after`), a chat stream that fails in-band after `stream_error_after` content chunks (vLLM's `data:
+    # {"error": ...}` then [DONE], under its 200), prompts over `error_over_tokens` refused with a 500, and a wedged
+    # engine (`wedged`: every request, /health too, accepted and never answered).
+    max_streams: int = 0
+    stream_error_after: int = -1
+    error_over_tokens: int = 0
+    wedged: bool = False
 
     @property
     def batching(self) -> bool:

@@ -21,7 +21,9 @@ Held (a stream another replica may still take, relay.py): until the first conten
 goes to the client, not even the response's start; each piece is noted and kept, and the first
 content (any body, for a response that is not a stream) releases them all at once (`release`: the
 start, then the pieces kept), after which the pump runs as above. The client waits for that token
-anyway, so holding costs it nothing. Also released: when the relay says no other attempt can follow
+anyway, so holding costs it nothing. A held stream that reports an error before any content (vLLM's
+and SGLang's `data: {"error": ...}` under a 200) is abandoned when the relay says another attempt
+follows (`on_failed`): the client sees only the other replica's answer. Also released: when the relay says no other attempt can follow
 any more (`unhold`, from its deadline timer), and when what is kept passes the read-ahead limits
 (it counts against them, per stream and for the process, as read-ahead does: connection.py).
 """
@@ -70,11 +72,12 @@ NON_STREAM_BODY_LIMIT = 16 * 1024 * 1024  # bytes kept for reading usage from a 
 class Pump:
     __slots__ = ("t", "send", "reader", "rewrite", "framed", "json_body", "kept", "silence", "loop", "idle", "grace", "grace_ns",
                  "move_at_ns", "decoding", "sending", "writer", "held", "release", "on_first", "held_bytes", "budget", "waiting",
-                 "unholding", "task", "response")
+                 "unholding", "task", "response", "on_failed", "abandoned")
 
     def __init__(self, t: RequestTiming, send: Callable[[dict[str, Any]], Awaitable[None]], reader: Reader | None, rewrite: bool,
                  json_body: list[bytes] | None, silence: asyncio.Timeout | None, idle_s: float, writer: BodyWriter | None,
-                 release: Callable[[], Awaitable[None]] | None = None, on_first: Callable[[], None] | None = None) -> None:
+                 release: Callable[[], Awaitable[None]] | None = None, on_first: Callable[[], None] | None = None,
+                 on_failed: Callable[[], bool] | None = None) -> None:
         self.t, self.send, self.reader, self.rewrite, self.json_body = t, send, reader, rewrite, json_body
         self.framed = reader is not None and reader.decoder is not None
         self.kept = 0
@@ -97,6 +100,8 @@ class Pump:
         self.task: asyncio.Task[Any] | None = None
         self.on_first = on_first  # told when the first content token came (the replica's pending prefill work, its health)
         self.response: Connection | None = None  # (`run`'s: when the loop read the first token, its `seen_ns`)
+        self.on_failed = on_failed  # held, the stream reported an error before any content: True, another attempt follows
+        self.abandoned = False  # ... and it did: nothing held goes to the client
 
     def _moved(self, now: int) -> None:
         """Move the inter-chunk limit (called when `move_at_ns` is past, or at the first token)."""
@@ -142,6 +147,10 @@ class Pump:
                 self._noted(chunk, now)
             self.held_bytes += len(kept)
             budget.used += len(kept)
+            t = self.t
+            if t.error and not t.content_ns and self.on_failed is not None and t.error.startswith("stream_error") and self.on_failed():
+                self.abandoned = True  # (an in-band error before any content, and another replica will answer)
+                return
             if self.t.content_ns or not self.framed or self.held_bytes > budget.per_stream or budget.used > budget.total:
                 break
         await self._release_held()
@@ -212,6 +221,8 @@ class Pump:
         self.response = response
         if self.held is not None:
             await self._hold(response)
+            if self.abandoned:
+                return
         response.fast = self.forward if self.writer is not None and self.held is None else None
         try:
             while chunk := await read():

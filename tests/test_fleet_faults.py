@@ -183,3 +183,52 @@ def test_identical_long_prompts_are_prefilled_once_where_no_engine_confirmed_a_c
         results = list(pool.map(lambda _: stream(proxy, tokens=3, headers={"x-sim-ttft-ms": ""}, prompt=long), range(6)))
     assert sum(s.stats()["requests"] for s in two) - before == 6
     assert all(chunks == 3 for _, _, chunks in results) and max(ttft for ttft, _, _ in results) <= 1.9, [r[0] for r in results]
+
+
+def test_a_response_is_continued_on_the_replica_that_stored_it(replicas, proxy_factory, tmp_path):
+    """A Responses API request naming `previous_response_id` (or GET /v1/responses/{id}) goes to the replica whose
+    answer it names: only that one holds it."""
+    named = {f"r{i}": f"{s.url}/v1" for i, s in enumerate(replicas[:3])}
+    proxy = proxy_factory(routes=routes_file(tmp_path, named))
+    client = openai.OpenAI(base_url=proxy.v1, api_key="sk-test", max_retries=0)
+    for turn in range(6):
+        first = client.responses.create(model="sim-7b", input=f"conversation {turn}", max_output_tokens=2,
+                                        stream=turn % 2 == 1) if turn % 2 == 0 else None
+        if first is None:  # (streamed: its id from response.created)
+            events = list(client.responses.create(model="sim-7b", input=f"conversation {turn}", max_output_tokens=2, stream=True))
+            ident = events[0].response.id
+        else:
+            ident = first.id
+        where = proxy.wait_records(1 + 3 * turn)[-1]["upstream"]
+        client.responses.create(model="sim-7b", input="and then?", previous_response_id=ident, max_output_tokens=2)
+        with pytest.raises(openai.NotFoundError):  # (the simulator stores nothing: what matters is where it asked)
+            client.responses.retrieve(ident)
+        records = proxy.wait_records(3 + 3 * turn)[-2:]
+        assert [r["upstream"] for r in records] == [where, where], (where, records)
+
+
+def test_every_proxy_sees_the_engines_own_queue(replicas, proxy_factory, tmp_path):
+    """Two proxies that share nothing: one holds four long streams on r0; the other, reading each replica's queue gauges
+    (`health_check: {metrics: /metrics}`, vLLM's num_requests_running and _waiting), sends its requests to r1."""
+    from proxy.fleet.checks import queue_of
+
+    assert queue_of(b'# HELP x\nvllm:num_requests_running{model_name="a"} 3.0\nvllm:num_requests_waiting{model_name="a"} 2.0\n'
+                    b'vllm:num_requests_waiting{model_name="b"} 1.0\nvllm:num_requests_running_total 9\n') == (3.0, 3.0)
+    assert queue_of(b"sglang:num_running_reqs 4\nsglang:num_queue_reqs 1\n") == (4.0, 1.0) and queue_of(b"up 1\n") is None
+    r0, r1 = replicas[0], replicas[1]
+    (tmp_path / "other").mkdir()
+    other = proxy_factory(routes=routes_file(tmp_path / "other", {"r0": f"{r0.url}/v1"}))
+    path = tmp_path / "routes.yaml"
+    routes_file(tmp_path, {"r0": f"{r0.url}/v1", "r1": f"{r1.url}/v1"})
+    import yaml
+    data = yaml.safe_load(path.read_text())
+    data["health_check"] = {"metrics": "/metrics"}
+    path.write_text(yaml.safe_dump(data))
+    proxy = proxy_factory(routes=str(path))
+    with ThreadPoolExecutor(4) as pool:
+        held = [pool.submit(stream, other, 3, {"x-sim-ttft-ms": "3000"}) for _ in range(4)]
+        time.sleep(1.5)  # (a check or two has read r0's queue)
+        for _ in range(6):
+            stream(proxy, tokens=2)
+        assert all(f.result()[2] == 3 for f in held)
+    assert [r["upstream"] for r in proxy.wait_records(6)] == ["r1"] * 6

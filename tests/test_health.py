@@ -146,3 +146,15 @@ def test_a_replica_serving_by_force_comes_back_at_its_first_success():
     assert h.state == EJECTED
     h.succeeded(101.0, forced=True)  # the route served it by force (panic mode), and it served
     assert h.state == SERVING
+
+
+@pytest.mark.parametrize("spec, words", [({"interval": 0}, "interval must be"), ({"path": "health"}, "must start with /"),
+                                         ({"unhealthy": 0}, "unhealthy must be"), ({"generate": "yes"}, "true or false"),
+                                         ({"every": 1}, "health_check must be `off` or a map"), ({"metrics": "metrics"}, "metrics must be")])
+def test_a_broken_health_check_policy_is_refused_with_its_line(spec, words):
+    from proxy.fleet.checks import CheckSpec
+
+    with pytest.raises(ValueError) as error:
+        CheckSpec.parse(spec, "routes file r.yaml, line 9")
+    assert "line 9" in str(error.value) and words in str(error.value)
+    assert CheckSpec.parse("off", "x").enabled is False and CheckSpec.parse(None, "x") == CheckSpec()

@@ -67,9 +67,9 @@ def test_every_client_value_is_text_in_the_page(sim, proxy_factory, tmp_path):
                                                    "max_tokens": 3, "stream": True})
             client.post("/chat/completions", json={"model": "rm", "messages": [{"role": "user", "content": "hi"}], "stream": True})
             client.post("/responses", json={"model": "err", "input": "hi", "stream": True})
-            # A 429 asking for 30 s of quiet: the replica (its name a payload) is set aside, and the replicas line says so.
+            # A 503 asking for 30 s of quiet: the replica (its name a payload) is set aside, and the replicas line says so.
             client.post("/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
-                        headers={"x-sim-error-status": "429", "x-sim-retry-after": "30"})
+                        headers={"x-sim-error-status": "503", "x-sim-retry-after": "30"})
         records = proxy.wait_records(4)
         assert {r["model"] for r in records} == {PAYLOADS["model"], "rm", "err", "m"}
         assert [r["error"] for r in records if r["model"] == "err"] == [f"stream_error:{PAYLOADS['error']}"]

@@ -23,6 +23,9 @@ class Replica:
     in_flight: int = 0
     prefixes: Index = field(default_factory=Index)
 
+    def load(self, now: float) -> float:
+        return self.in_flight
+
 
 def fitted(label: str, seconds_per_token: float, fixed: float = 0.01) -> Replica:
     r = Replica(label)

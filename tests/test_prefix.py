@@ -65,6 +65,19 @@ def test_the_index_is_an_lru_bounded_in_tokens_and_reports_shrink_it():
     assert index.capacity > capacity
 
 
+def test_a_missed_hit_forgets_the_prompt_past_the_shared_head_and_a_restart_forgets_everything():
+    requests = [chain(turns(s, 1)[0]) for s in "ab"]
+    shared = requests[0].shared
+    index = Index()
+    for r in requests:
+        index.sent(r)
+    index.forget(requests[0])  # (a predicted hit missed its deadline: likely evicted)
+    assert shared and index.match(requests[0]) == shared and index.match(requests[1]) == requests[1].total
+    assert requests[0].session not in index.away  # (not marked away: it may live here still)
+    index.clear()  # (the engine restarted)
+    assert index.match(requests[1]) == 0 and index.held == 0 and index.capacity == index.ceiling
+
+
 def test_a_conversation_knows_its_first_turn():
     """`opening`: the tokens of the first turn's prompt (before the first answer), which every later turn begins with;
     the answers of Gemini (`model`) and of the Responses API (its output items resent as input) count."""

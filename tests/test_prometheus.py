@@ -50,13 +50,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     ports = [free_port(), free_port()]
     # The second replica routes to the simulator and to a replica that is down (nothing listens on its port): its
     # requests that meet it fail over, it is set aside (the Replicas row has data); by predicted_ttft, whose prefix
-    # index is checked against the simulator's cache (the Prefix cache row).
+    # index is checked against the simulator's cache (the Prefix cache row). (No active checks: they would set the
+    # down replica aside before any request met it, and the Failovers panel would have nothing to show.)
     routes = workdir / "routes.yaml"
     routes.write_text(yaml.safe_dump({"upstreams": [{"name": "down", "url": f"http://127.0.0.1:{free_port()}/v1"},
                                                     {"name": f"localhost:{sim.port}", "url": f"http://localhost:{sim.port}/v1"}],
                                       "routes": [{"models": ["*"], "upstreams": ["down", f"localhost:{sim.port}"], "retries": 1,
                                                   "pick": "predicted_ttft"}],
-                                      "default": f"localhost:{sim.port}"}))
+                                      "default": f"localhost:{sim.port}", "health_check": "off"}))
     # The example objectives (dashboards/prometheus/slo.yml) judge the load: the SLO row has data.
     proxies = [Process(["serve", *(["--routes", str(routes)] if i else ["--upstream", f"http://localhost:{sim.port}/v1"]), "--port", str(port),
                         "--max-in-flight", "64", "--slo", str(SLO_EXAMPLE), "--tenants", str(tenants)], f"http://127.0.0.1:{port}/healthz")

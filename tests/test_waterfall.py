@@ -142,11 +142,11 @@ def test_the_waterfall_matches_the_records(proxy_factory, tmp_path):
             wait_for(page, "document.querySelectorAll('.row').length === 1")
             page.locator(".row").first.click()
             wait_for(page, "document.querySelector('#detail').innerText.includes('mobile, end user u-7')")
-            # The replicas line: each replica's health now. A 429 asking for 30 s of quiet sets this one aside
+            # The replicas line: each replica's health now. A 503 asking for 30 s of quiet sets this one aside
             # (alone on its route, it still serves: one always does).
             assert page.inner_text("#replicas") == f"replicas: {proxy.settings.upstream_label} serving"
             httpx.post(f"{proxy.v1}/chat/completions", json={"model": "sim-7b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
-                       headers={"x-sim-error-status": "429", "x-sim-retry-after": "30"}, timeout=30)
+                       headers={"x-sim-error-status": "503", "x-sim-retry-after": "30"}, timeout=30)
             page.wait_for_selector("#replicas .aside")
             line = page.inner_text("#replicas")
             assert line.startswith(f"replicas: {proxy.settings.upstream_label} ejected (retry after, back in ") and line.endswith(" s)"), line

@@ -5,7 +5,7 @@
 
 Two simulated replicas of one model behind one route, each with one prefill unit shared first come
 first served (`prefill_queue`: a request waits for the prompts sent before it, as an engine's
-prefill does): `fast` prefills 20,000 tokens/s, `slow` five times slower (4,000). A steady open-loop
+prefill does): `fast` prefills 20,000 tokens/s, `slow` five times slower (4,000; `--slow-tps 2000`: ten). A steady open-loop
 arrival (Poisson, `--rate` requests/s) of a prompt mix: 75% of 200 tokens, 25% of 6,000, 5 output
 tokens each. The same arrival sequence (one seed) through the proxy once per mode, the modes
 alternating for `--rounds`; TTFT as the client sees it (the first content chunk), p50 and p99 per
@@ -73,12 +73,14 @@ def main() -> int:
     parser.add_argument("--long-share", type=float, default=0.25)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--src", default=str(Path(__file__).resolve().parents[2]), help="the proxy's tree (a before build: a folder)")
+    parser.add_argument("--slow-tps", type=float, default=4000.0, help="the slow replica's prefill rate (the fast one's: 20,000)")
     args = parser.parse_args()
     plan = arrivals(args.rate, args.seconds, args.long_share, args.seed)
     fast_port, slow_port = free_port(), free_port()
     workdir = Path(tempfile.mkdtemp(prefix="llmproxy-pick-"))
     rows = []
-    with simulator(fast_port, "--prefill-tps", "20000", "--decode-tps", "200"), simulator(slow_port, "--prefill-tps", "4000", "--decode-tps", "200"):
+    with simulator(fast_port, "--prefill-tps", "20000", "--decode-tps", "200"), simulator(slow_port, "--prefill-tps", f"{args.slow_tps:g}", "--decode-tps", "200"):
         for port in (fast_port, slow_port):
             httpx.post(f"http://127.0.0.1:{port}/sim/config", json={"prefill_queue": True}).raise_for_status()
         for round_ in range(args.rounds):
@@ -88,7 +90,7 @@ def main() -> int:
                                                               {"name": "fast", "url": f"http://127.0.0.1:{fast_port}/v1"}],
                                                 "routes": [{"models": ["sim-7b"], "upstreams": ["slow", "fast"], "pick": mode}]}))
                 port = free_port()
-                with process(serve_command(str(Path(__file__).resolve().parents[2]), "serve", "--routes", str(path), "--port", str(port),
+                with process(serve_command(args.src, "serve", "--routes", str(path), "--port", str(port),
                                            "--records-db", str(workdir / f"{mode}-{round_}.sqlite")), f"http://127.0.0.1:{port}/healthz"):
                     base = f"http://127.0.0.1:{port}"
                     asyncio.run(drive(base, [(i * 0.2, SHORT) for i in range(12)]))  # (a warm-up: each replica measured a few times)
@@ -100,7 +102,7 @@ def main() -> int:
                 rows.append((round_ + 1, mode, len(ttfts), statistics.median(ttfts), pct(ttfts, 0.99), f"{long_on_slow}/{longs}"))
                 time.sleep(2.0)  # (the replicas' prefill queues empty between runs)
     print(f"command: .venv/bin/python -m bench.fleet pick --rate {args.rate} --seconds {args.seconds} --long-share {args.long_share} "
-          f"--rounds {args.rounds}; {len(plan)} requests per run")
+          f"--rounds {args.rounds} --slow-tps {args.slow_tps:g}; {len(plan)} requests per run")
     print("| round | pick | requests | TTFT p50 s | TTFT p99 s | long prompts on the slow replica |")
     print("|---|---|---|---|---|---|")
     for round_, mode, n, p50, p99, slow in rows:

@@ -169,7 +169,7 @@ def _response_event(kind: str, obj: dict[str, Any], chunk: Chunk) -> None:
     response = obj.get("response")
     if not isinstance(response, dict):
         return
-    chunk.model = string(response.get("model"))
+    chunk.model, chunk.ident = string(response.get("model")), string(response.get("id"))
     usage = response.get("usage")
     if isinstance(usage, dict):
         chunk.usage = chat_usage(usage)
@@ -217,7 +217,8 @@ def read_body(obj: dict[str, Any]) -> BodyInfo:
     metrics = metrics if isinstance(metrics, dict) else None
     if obj.get("object") == "response":
         usage = obj.get("usage")
-        return BodyInfo(chat_usage(usage) if isinstance(usage, dict) else None, model, _response_text(obj), None, metrics)
+        return BodyInfo(chat_usage(usage) if isinstance(usage, dict) else None, model, _response_text(obj), None, metrics,
+                        ident=string(obj.get("id")))
     texts = []
     for choice in listed(obj.get("choices")):
         if isinstance(choice, dict):

@@ -62,12 +62,9 @@ class EjectionSpec:
 
     @classmethod
     def parse(cls, spec: Any, where: str) -> "EjectionSpec":
-        if spec is None or spec is True:
-            return cls()
-        if spec is False or spec == "off":
-            return cls(enabled=False)
-        if not isinstance(spec, dict) or set(spec) - {*KEYS, "__line__"}:
-            raise ValueError(f"{where}: ejection must be `off` or a map of {', '.join(KEYS)} (each optional)")
+        spec = policy(spec, where, "ejection", KEYS)
+        if not isinstance(spec, dict):
+            return cls(enabled=spec)
         values: dict[str, Any] = {}
         for key, name in KEYS.items():
             if key not in spec:
@@ -80,6 +77,18 @@ class EjectionSpec:
                 raise ValueError(f"{where}: ejection's {key} must be {kind}, not {value!r}")
             values[name] = value if whole else float(value)
         return cls(**values)
+
+
+def policy(spec: Any, where: str, name: str, keys: Any) -> dict[str, Any] | bool:
+    """A routes file's policy key (`ejection:`, `health_check:`): True (absent, or `true`: the defaults), False (`off`),
+    or its map, every key known."""
+    if spec is None or spec is True:
+        return True
+    if spec is False or spec == "off":
+        return False
+    if not isinstance(spec, dict) or set(spec) - {*keys, "__line__"}:
+        raise ValueError(f"{where}: {name} must be `off` or a map of {', '.join(keys)} (each optional)")
+    return spec
 
 
 def retry_after_s(headers: list[tuple[bytes, bytes]], now_wall: float | None = None) -> float | None:

@@ -119,8 +119,8 @@ class Picker:
         return self._fewest(candidates, now)
 
     def _predicted(self, candidates: list[Replica], prompt: int, now: float, chain: Chain | None) -> Replica:
-        cap = math.ceil(LOAD_BOUND * (sum(u.in_flight for u in candidates) + 1) / len(candidates)) + LOAD_SLACK
-        under = [u for u in candidates if u.in_flight < cap]
+        cap = math.ceil(LOAD_BOUND * (sum(u.load(now) for u in candidates) + 1) / len(candidates)) + LOAD_SLACK
+        under = [u for u in candidates if u.load(now) < cap]
         if under and len(under) < len(candidates):  # (the overflow: only to a replica about as fast as the fastest)
             speed = {u.label: u.forecast.expect(prompt) for u in candidates}
             fastest = min(speed.values())
@@ -163,7 +163,7 @@ class Picker:
     def _fewest(self, candidates: list[Replica], now: float) -> Replica:
         """Those with the fewest in flight, this one counted, over the share of their recent attempts that did not fail
         (sick or busy: a replica refusing half of them for load looks twice as loaded), each in turn."""
-        scores = [(u.in_flight + 1) / max(FLOOR, 1 - u.health.share(now)) for u in candidates]
+        scores = [(u.load(now) + 1) / max(FLOOR, 1 - u.health.share(now)) for u in candidates]
         fewest = min(scores)
         return self._tie([u for u, score in zip(candidates, scores) if score == fewest])
 

@@ -240,6 +240,8 @@ class Placement:
                 self._judge(failure)
             elif t.outcome == "ok" and t.status_code < 400:
                 self._judge("")
+                if t.response_id:  # (a stored response: the requests that name it go where it lives)
+                    self.router.held(t.response_id, self.upstream.label)
             elif not self.judged and self.upstream is not None:
                 self.judged = True
                 self.upstream.health.ended(self.probe)

@@ -88,6 +88,11 @@ class Index:
         if len(self.away) > AWAY_MAX:
             self.away.popitem(last=False)
 
+    def clear(self) -> None:
+        """The engine restarted (it failed its checks, then passed): its cache is empty, whatever this index held."""
+        self.links.clear()
+        self.held, self.capacity = 0, self.ceiling
+
     def forget(self, prompt: Chain) -> None:
         """The prompt is likely evicted here (a predicted hit missed its deadline): its links past what every session
         shares forgotten, the conversation not marked away (it may live here still, re-prefilled)."""

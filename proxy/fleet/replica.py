@@ -12,7 +12,7 @@ from .prefix import Index
 
 
 class Replica:
-    __slots__ = ("pool", "label", "in_flight", "forecast", "prefixes", "health", "caches")
+    __slots__ = ("pool", "label", "in_flight", "forecast", "prefixes", "health", "caches", "engine_load", "engine_load_s")
 
     def __init__(self, pool: Pool) -> None:
         self.pool = pool
@@ -22,3 +22,12 @@ class Replica:
         self.prefixes = Index()  # the prompts sent to it, as its prefix cache may hold them
         self.health = Health()  # (the router gives it the routes file's policy)
         self.caches = False  # it reported cached prompt tokens: its predicted hits may shorten a deadline (placement.py)
+        self.engine_load = 0.0  # requests running and waiting as the engine reports them (checks.py's `metrics`)
+        self.engine_load_s = 0.0  # when (monotonic s; 0: never)
+
+    def load(self, now: float, fresh_s: float = 3.0) -> float:
+        """Its requests in flight, or the engine's own count when it reported one lately and it is more (other proxies'
+        requests on it too): what the picker weighs."""
+        if self.engine_load_s and now - self.engine_load_s <= fresh_s and self.engine_load > self.in_flight:
+            return self.engine_load
+        return self.in_flight

@@ -43,6 +43,7 @@ definition did not change keeps its pool; streams in flight keep the upstream th
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import fnmatch
 import logging
@@ -63,6 +64,7 @@ from .retry import BudgetSpec, RetryBudget
 
 log = logging.getLogger("llmproxy.routes")
 GLOBBED_MAX = 4096  # models whose glob route is remembered (names are client-chosen: bounded)
+HOLDERS_MAX = 100_000  # stored responses whose replica is remembered (a Responses API id: about 10 MB)
 PICKS = ("fewest_in_flight", "predicted_ttft")
 ROUTE_KEYS = ("models", "upstreams", "first_token_deadline", "retries", "pick", "retry_budget")
 
@@ -118,6 +120,7 @@ class Router:
         self.ejection = EjectionSpec()
         self.checks = CheckSpec(enabled=False)  # a routes file's `health_check` (on by default there)
         self.picker = Picker()
+        self.holders: collections.OrderedDict[str, str] = collections.OrderedDict()  # a stored response's id -> its replica
         if settings.routes:
             self._install(*self._parse(settings.routes))
         else:
@@ -211,11 +214,41 @@ class Router:
         return [self.upstreams[n] for n in rule.upstreams]
 
     def choose(self, rule: Rule, prompt_tokens: int = 0, tried: tuple[str, ...] = (), now: float | None = None,
-               chain: Chain | None = None) -> Replica | None:
-        """One of the route's replicas not tried yet for this request (None: none left), by its `pick` (picker.py)."""
+               chain: Chain | None = None, pin: str = "") -> Replica | None:
+        """One of the route's replicas not tried yet for this request (None: none left), by its `pick` (picker.py); `pin`:
+        the replica that holds what the request names (a stored response), while it may take requests."""
+        now = time.monotonic() if now is None else now
         if len(rule.upstreams) == 1:
             return None if tried else self.upstreams[rule.upstreams[0]]
-        return self.picker.choose(rule.pick, self.replicas(rule), prompt_tokens, tried, time.monotonic() if now is None else now, chain)
+        if pin and pin in rule.upstreams and pin not in tried and self.upstreams[pin].health.available(now):
+            return self.upstreams[pin]
+        return self.picker.choose(rule.pick, self.replicas(rule), prompt_tokens, tried, now, chain)
+
+    def held(self, response_id: str, upstream: str) -> None:
+        """A stored response (a Responses API id) lives on this replica: the requests that name it go there."""
+        holders = self.holders
+        holders[response_id] = upstream
+        holders.move_to_end(response_id)
+        if len(holders) > HOLDERS_MAX:
+            holders.popitem(last=False)
+
+    def holder(self, response_id: Any) -> str:
+        """The replica holding a stored response ("": none known, or no longer an upstream)."""
+        label = self.holders.get(response_id, "") if isinstance(response_id, str) else ""
+        return label if label in self.upstreams else ""
+
+    def named(self, endpoint: str, parsed: dict[str, Any] | None, path: str) -> str:
+        """The replica holding the stored response a request names (`previous_response_id`, or the path's
+        /v1/responses/{id}): only it can answer ("": none named, or none known)."""
+        if endpoint == "responses" and parsed is not None:
+            return self.holder(parsed.get("previous_response_id"))
+        if endpoint == "responses_other" and "/responses/" in path:
+            return self.holder(path.split("/responses/", 1)[1].split("/", 1)[0])
+        return ""
+
+    def pinned(self, label: str) -> Rule:
+        """A route of the one replica holding what a request names, for a request no route serves (GET /v1/responses/{id})."""
+        return Rule(("*",), (label,))
 
     @staticmethod
     def indexes(rule: Rule) -> bool:

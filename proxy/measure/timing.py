@@ -138,6 +138,7 @@ class RequestTiming:
     outcome: Outcome = "ok"
     error: str = ""
     response_model: str = ""
+    response_id: str = ""  # the answer's id a later request may name (a Responses API response: fleet/routes.py's holders)
     malformed_chunks: int = 0
     unmeasured: Unmeasured = ""  # why the response was relayed but not (wholly) read: an event past the limit, undecodable bytes
     engine: EngineTimings | None = None  # the upstream engine's own timings, when it reports them

@@ -206,10 +206,13 @@ class Exchange:
         partial = parsed is not None and parsed.get("_partial")  # (a big body's summary, made in the worker: offload.py)
         inline = (parsed["_media"] if partial else shape.media(shape.sequence(parsed))) if parsed is not None else (0, 0)
         rule, prompt = app.router.route(t.model), shape.tokens(len(body), inline)
+        pin = app.router.named(route.endpoint, parsed, self.scope["path"])  # (a stored response lives on one replica)
+        if pin and (rule is None or pin not in rule.upstreams):
+            rule = app.router.pinned(pin)
         chain = None
         if rule is not None and parsed is not None and app.router.indexes(rule):
             chain = parsed.get("_chain") if partial else shape.chain(parsed, prompt)
-        upstream = app.router.choose(rule, prompt, chain=chain) if rule is not None else None
+        upstream = app.router.choose(rule, prompt, chain=chain, pin=pin) if rule is not None else None
         if rule is None or upstream is None:
             raise ModelNotRouted(f"the model `{t.model}` is not routed by this proxy (see its routing file)")
         self.place = Placement(app.router, app.telemetry, ctx, rule, prompt, chain)
@@ -227,7 +230,7 @@ class Exchange:
             if info.undecodable:
                 t.unmeasured = "undecodable"
             engine = info.engine or from_llamacpp(info.timings) or from_vllm(info.metrics)
-            t.engine = engine or t.engine
+            t.engine, t.response_id = engine or t.engine, info.ident or t.response_id
         if t.stream and t.engine is not None and t.engine.predicted_tokens is not None and t.engine.source == "llama.cpp":
             upstream.pool.reports_counts = True
 

@@ -127,6 +127,10 @@ class Simulator:
             while (await receive())["type"] != "http.disconnect":
                 pass
             return
+        if path == "/metrics":  # (vLLM's queue gauges: what every proxy in front of it sent)
+            text = (f'vllm:num_requests_running{{model_name="sim-7b"}} {float(self.generating)}\n'
+                    f'vllm:num_requests_waiting{{model_name="sim-7b"}} 0.0\n').encode()
+            return await self._reply(send, (200, [(b"content-type", b"text/plain; version=0.0.4")], text))
         if path in ("/health", "/healthz"):  # (a crashed engine's fails: vLLM's /health asks the engine)
             status = self.config.error_status if self.config.error_status >= 500 else 200
             return await self._reply(send, _json_response(status, {"status": "ok" if status == 200 else "engine dead"}))

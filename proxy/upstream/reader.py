@@ -125,6 +125,8 @@ class Reader:
             t.hidden_reasoning_blocks += 1
         if chunk.model and not t.response_model:
             t.response_model = chunk.model
+            if chunk.ident:
+                t.response_id = chunk.ident
         if chunk.usage is not None:  # merged: an API may report its counts over several events (Anthropic)
             ctx = self.ctx
             ctx.usage = {**ctx.usage, **chunk.usage} if ctx.usage else chunk.usage

@@ -33,6 +33,7 @@ class Chunk:
     final: bool = False  # the API's end-of-stream event (`[DONE]`, `message_stop`): the client has everything
     hidden: bool = False  # a block of hidden reasoning began (Anthropic `redacted_thinking`): never streamed
     engine: EngineTimings | None = None  # the engine's own timings, read by the dialect (Ollama's last object)
+    ident: str = ""  # the answer's id where a later request may name it (a Responses API response: previous_response_id)
 
     def __init__(self) -> None:
         self.texts: list[tuple[int, str]] = []  # (choice index, generated text), choices with content only
@@ -221,3 +222,4 @@ class BodyInfo(NamedTuple):
     metrics: Any = None
     undecodable: bool = False  # the body's content-encoding could not be decoded
     engine: EngineTimings | None = None  # the engine's own timings, read by the dialect (Ollama)
+    ident: str = ""  # a stored answer's id (a Responses API response), for the requests that name it

@@ -177,6 +177,17 @@ class Simulator:
         httpx.post(f"{self.url}/sim/config", json=values).raise_for_status()
 
 
+
+@contextmanager
+def simulators(n: int) -> Iterator[list[Simulator]]:
+    """`n` simulated replicas, stopped after."""
+    sims = [Simulator() for _ in range(n)]
+    try:
+        yield sims
+    finally:
+        for each in sims:
+            each.proc.stop()
+
 class SpanCounter(SpanProcessor):
     """Counts the SERVER spans that reached the processors: one per traced request, never fewer."""
 
@@ -475,3 +486,58 @@ class TinyProxy:
     def stop(self) -> None:
         self.process.terminate()
         self.process.wait(timeout=10)
+
+
+class SilentRelay:
+    """A TCP relay on loopback in front of a server, as a failover manager's address is: `freeze()` stops forwarding on
+    the connections it holds (they stay open and silent, no reset: a primary gone behind the same address, a pooler
+    that keeps acknowledging), while connections made after it reach the live server."""
+
+    def __init__(self, port: int) -> None:
+        import socket as sockets
+
+        self.target, self.port = port, free_port()
+        self.listener = sockets.create_server(("127.0.0.1", self.port))
+        self.generation = 0  # connections of an older generation are frozen
+        self.held: list[Any] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def freeze(self) -> None:
+        self.generation += 1
+
+    def _accept(self) -> None:
+        import socket as sockets
+
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = sockets.create_connection(("127.0.0.1", self.target))
+            self.held += [client, server]
+            born = self.generation
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(a, b, born), daemon=True).start()
+
+    def _pump(self, source: Any, sink: Any, born: int) -> None:
+        while True:
+            try:
+                data = source.recv(65536)
+            except OSError:
+                return
+            if not data:
+                return
+            while born != self.generation:  # frozen: read, never forwarded, never closed
+                time.sleep(3600)
+            try:
+                sink.sendall(data)
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self.listener.close()
+        for each in self.held:
+            try:
+                each.close()
+            except OSError:
+                pass

@@ -58,7 +58,10 @@ def test_the_deployment_runs_safely_and_drains_streams():
     args = parser().parse_args(container["args"])  # every flag is one the proxy has
     grace = args.shutdown_grace
     pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
-    assert pod["terminationGracePeriodSeconds"] >= pre_stop + grace  # a rollout drops no stream
+    from proxy.serve.app import RECORDS_FLUSH_S
+
+    # A rollout drops no stream, and the records flush fits, with slack (SIGKILL would lose the buffer).
+    assert pod["terminationGracePeriodSeconds"] >= pre_stop + grace + RECORDS_FLUSH_S + 5
     assert args.admin_port and {p["name"]: p["containerPort"] for p in container["ports"]}["admin"] == args.admin_port
     assert container["resources"]["requests"]["cpu"] and "cpu" not in container["resources"]["limits"]
     mounts = {m["mountPath"] for m in container["volumeMounts"]}

@@ -14,7 +14,7 @@ from typing import Any, Iterator
 import openai
 import pytest
 
-from servers import Simulator
+from servers import Simulator, scraped, simulators
 from test_placement import HEALTHY, agent_turn, ejections, failovers, routes_file, stream
 from proxy.demo import prompt_of
 
@@ -23,12 +23,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def four() -> Iterator[list[Simulator]]:
-    sims = [Simulator() for _ in range(4)]
-    try:
+    with simulators(4) as sims:
         yield sims
-    finally:
-        for each in sims:
-            each.proc.stop()
 
 
 @pytest.fixture
@@ -65,27 +61,19 @@ def goodput(proxy: Any, seconds: float, clients: int, sims: list[Simulator]) -> 
 
 @pytest.mark.parametrize("retry_after", ["1", ""])
 def test_a_full_fleet_is_not_a_sick_one(replicas, proxy_factory, tmp_path, retry_after):
-    """Four replicas of four streams each, 24 clients: every replica answers 429 past its fourth stream. Ejection on
-    keeps the goodput of ejection off, never sets a replica aside, and every replica keeps getting requests."""
+    """Four replicas of four streams each, 24 clients: every replica answers 429 past its fourth stream. No replica is
+    set aside, every one keeps getting requests, and the 429s fail over. (The goodput against ejection off, side by
+    side: `python -m bench.fleet full-fleet`, bench/RESULTS.md.)"""
     for each in replicas:
         each.configure(max_streams=4, retry_after=retry_after)
     named = {f"r{i}": f"{s.url}/v1" for i, s in enumerate(replicas)}
-    (tmp_path / "off").mkdir()
-    off = proxy_factory(routes=routes_file(tmp_path / "off", named, ejection="off", retries=1, first_token_deadline=2.0))
-    on = proxy_factory(routes=routes_file(tmp_path, named, retries=1, first_token_deadline=2.0))
-    baseline, served, fewest = 0, 0, []
-    for first in (off, on, on, off):  # (interleaved, each first once: two cores, 24 client threads and two proxies are noisy)
-        n, least = goodput(first, 1.5, 24, replicas)
-        if first is off:
-            baseline += n
-        else:
-            served += n
-            fewest.append(least)
-    print(f"\nRetry-After {retry_after or 'none'}: {served} streams with ejection on, {baseline} off; each replica's fewest requests "
-          f"in a 1.5 s window: {fewest}")
-    assert served >= 0.9 * baseline and min(fewest) >= 5, (served, baseline, fewest)  # (no replica left without requests)
-    assert sum(ejections(on, u, reason) for u in named for reason in ("consecutive_failures", "failure_share", "retry_after")) == 0
-    assert sum(failovers(on, u, "status_429") for u in named) > 0  # (it was full: 429s failed over)
+    proxy = proxy_factory(routes=routes_file(tmp_path, named, retries=1, first_token_deadline=2.0))
+    served, least = goodput(proxy, 2.0, 24, replicas)
+    print(f"\nRetry-After {retry_after or 'none'}: {served} streams in 2 s; the fewest requests a replica got: {least}")
+    assert served >= 20 and least >= 10, (served, least)  # (it served, and no replica went without requests)
+    assert sum(ejections(proxy, u, reason) for u in named for reason in ("consecutive_failures", "failure_share", "retry_after")) == 0
+    assert all(scraped(proxy.url, "llmproxy_upstream_state", upstream=u, state="serving") == 1 for u in named)
+    assert sum(failovers(proxy, u, "status_429") for u in named) > 0  # (it was full: 429s failed over)
 
 
 def test_a_wedged_replica_is_found_by_its_checks_and_its_requests_answered_elsewhere(replicas, proxy_factory, tmp_path):

@@ -19,7 +19,7 @@ import openai
 import pytest
 import yaml
 
-from servers import RawUpstream, Simulator, scraped
+from servers import RawUpstream, Simulator, scraped, simulators
 from proxy.demo import prompt_of
 from proxy.processes import free_port
 
@@ -43,12 +43,8 @@ def pair() -> Iterator[dict[str, Simulator]]:
 @pytest.fixture(scope="module")
 def trio() -> Iterator[list[Simulator]]:
     """Three replicas of one model; each test makes them sick as it needs (and healthy again after)."""
-    sims = [Simulator(), Simulator(), Simulator()]
-    try:
+    with simulators(3) as sims:
         yield sims
-    finally:
-        for each in sims:
-            each.proc.stop()
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ from proxy.records.migration import WRITERS_FROM, prepare
 from proxy.records.postgres import STORE_VERSION, TABLE, PostgresBackend, connect, redact
 
 import fleet
-from servers import ROOT, Postgres, Process, scraped
+from servers import ROOT, Postgres, Process, SilentRelay, scraped
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -63,6 +63,9 @@ def send(url: str, model: str = "sim-7b", client: httpx.Client | None = None) ->
 
 
 def rows(pg: Postgres) -> int:
+    """The records stored (0 before the first writer made the table)."""
+    if pg.query(f"SELECT to_regclass('{TABLE}')")[0][0] is None:
+        return 0
     return pg.query(f"SELECT count(*) FROM {TABLE}")[0][0]
 
 
@@ -403,3 +406,93 @@ def test_records_move_from_sqlite_to_postgresql_and_an_import_again_skips_them(c
     ids = {json.loads(line)["id"] for line in exported.splitlines()}
     since = lambda at: {r["id"] for r in records if C.ended_ns(r) >= at - 7200 * 10**9}  # noqa: E731
     assert since(time.time_ns()) <= ids <= since(before) and len(ids) > 500  # (the boundary moved while the command started)
+
+
+def test_a_silent_failover_costs_seconds_and_no_record(sim, clean, tmp_path):
+    """The store's address goes silent on the connections the proxy holds (no reset: a primary gone behind a failover
+    manager's address, a pooler that keeps acknowledging) while new connections reach the live server. Every record
+    reaches the store (the writer's client-side deadline cuts the silent connection and it connects again),
+    /metrics and /llmproxy/requests answer within 5 s throughout, and SIGTERM ends the proxy within its grace."""
+    relay = SilentRelay(clean.port)
+    port = free_port()
+    proc = Process(["serve", "--upstream", f"{sim.url}/v1", "--port", str(port), "--records-db",
+                    f"postgresql://{clean.USER}@127.0.0.1:{relay.port}/{clean.DATABASE}", "--records-db-password-file",
+                    str(clean.password_file), "--instance", "silent"], f"http://127.0.0.1:{port}/healthz", log=tmp_path / "silent.log")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(10):
+            send(url)
+        assert wait_rows(clean, 10) == 10
+        assert httpx.get(f"{url}/llmproxy/requests", params={"limit": 5}, timeout=5).status_code == 200  # (a reader connection held)
+        relay.freeze()
+        slowest = 0.0
+        for i in range(30):
+            send(url)
+            if i % 3 == 0:
+                for path in ("/metrics", "/llmproxy/requests"):
+                    began = time.monotonic()
+                    assert httpx.get(f"{url}{path}", timeout=5).status_code == 200
+                    slowest = max(slowest, time.monotonic() - began)
+            time.sleep(0.1)
+        assert wait_rows(clean, 40, timeout=60) == 40  # (the writer's deadline, 10 s, then a new connection)
+        began = time.monotonic()
+        proc.stop()
+        stopped = time.monotonic() - began
+        print(f"\nslowest answer while silent {slowest:.2f} s; SIGTERM to exit {stopped:.2f} s")
+        assert slowest < 5.0 and stopped < 10.0 and proc.process.returncode is not None
+    finally:
+        proc.stop()
+        relay.close()
+
+
+def test_a_signal_to_the_whole_group_loses_no_record(sim, clean, tmp_path):
+    """SIGTERM to the proxy's whole process group (Ctrl-C, systemd's KillMode=control-group, `tini -g`) while its
+    records wait on a store that is held up: the records process ignores it, the serving process shuts down and has it
+    write what it holds once the store answers again, within the flush deadline."""
+    import os
+
+    from proxy.processes import wait_healthy
+    from proxy.records.postgres import connect
+
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "proxy", "serve", "--upstream", f"{sim.url}/v1", "--port", str(port), "--records-db",
+                                clean.dsn, "--records-db-password-file", str(clean.password_file), "--instance", "group"],
+                               cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(f"{url}/healthz", process)
+        send(url)
+        assert wait_rows(clean, 1) == 1
+        with connect(clean.dsn, str(clean.password_file)) as holder:
+            holder.execute("BEGIN")
+            holder.execute(f"LOCK TABLE {TABLE} IN SHARE MODE")  # (writes wait)
+            for _ in range(40):
+                send(url)
+            time.sleep(1.5)  # (handed to the records process: a batch waits on the lock)
+            os.killpg(process.pid, signal.SIGTERM)
+            time.sleep(1.0)
+            holder.execute("ROLLBACK")  # the store answers again, within the shutdown's flush deadline (5 s)
+        process.wait(timeout=20)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert wait_rows(clean, 41, timeout=5) == 41
+
+
+def test_a_reconnect_below_the_level_takes_no_lock_for_columns_already_there(clean):
+    """A writer that connects again while its store is still a level below (its indexes building) reads the catalog
+    first: no ALTER TABLE (ACCESS EXCLUSIVE, even when it adds nothing) behind a long reader's transaction."""
+    from proxy.records import migration
+    from proxy.records.postgres import connect
+
+    with connect(clean.dsn, str(clean.password_file)) as conn:
+        migration.prepare(conn)  # (the store at this level)
+        conn.execute("UPDATE llmproxy_meta SET value = %s WHERE key = 'store_level'", (str(migration.LEVEL - 1),))
+        with connect(clean.dsn, str(clean.password_file)) as reader:
+            reader.execute("BEGIN")
+            reader.execute(f"SELECT count(*) FROM {TABLE}")  # (a reader's transaction: ACCESS SHARE, held)
+            began = time.monotonic()
+            assert migration.prepare(conn) is False  # (its level's indexes still to build: maintenance's)
+            assert time.monotonic() - began < 1.0
+            reader.execute("ROLLBACK")
+        conn.execute("UPDATE llmproxy_meta SET value = %s WHERE key = 'store_level'", (str(migration.LEVEL),))

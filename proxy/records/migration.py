@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -131,6 +132,20 @@ def _step(conn: psycopg.Connection[Any], statement: str) -> None:
             time.sleep(random.uniform(0.1, 0.5))
 
 
+def _done(conn: psycopg.Connection[Any], statement: str) -> bool:
+    """Whether a catalog step is already there: every column an ALTER adds, or the table a CREATE makes."""
+    created = re.match(r"CREATE TABLE IF NOT EXISTS (\w+)", statement)
+    if created:
+        return conn.execute("SELECT to_regclass(%s)", (created.group(1),)).fetchone()[0] is not None  # type: ignore[index]
+    altered = re.match(r"ALTER TABLE (\w+) ", statement)
+    added = re.findall(r"ADD COLUMN IF NOT EXISTS (\w+)", statement)
+    if not altered or not added:
+        return False
+    have = {row[0] for row in conn.execute("SELECT column_name FROM information_schema.columns WHERE table_name = %s",
+                                           (altered.group(1),)).fetchall()}
+    return set(added) <= have
+
+
 def _set(conn: psycopg.Connection[Any], key: str, value: int) -> None:
     conn.execute("INSERT INTO llmproxy_meta (key, value) VALUES (%s, %s) ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value",
                  (key, str(value)))
@@ -156,7 +171,8 @@ def prepare(conn: psycopg.Connection[Any]) -> bool:
             return True
     for at in range(current, LEVEL):
         for statement in STEPS[at][0]:
-            _step(conn, statement)
+            if not _done(conn, statement):  # (read in the catalog first: an ALTER takes ACCESS EXCLUSIVE even when it adds nothing)
+                _step(conn, statement)
     log.warning("the records store is at level %d and this proxy writes level %d: the new columns and tables are there; the new "
                 "indexes are built in the background (CONCURRENTLY, partition by partition), then its level is raised", current, LEVEL)
     return False

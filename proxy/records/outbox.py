@@ -37,6 +37,7 @@ import logging
 import mmap
 import multiprocessing
 import os
+import signal
 import socket
 import struct
 import threading
@@ -109,7 +110,11 @@ def _attached(holder: Any) -> Count:
 
 
 def _serve(conn: Any, target: str, options: dict[str, Any], instance: str, boot: str, limits: tuple[int, int], assigned: Count) -> None:
-    """The writer process: rows from the pipe into a Writer; what it counts back up the pipe."""
+    """The writer process: rows from the pipe into a Writer; what it counts back up the pipe. A signal to the whole
+    process group (Ctrl-C, systemd's KillMode=control-group, `tini -g`) is the serving process's to act on: this one
+    ignores it, and ends when the serving process closes it (or is gone: ORPHAN_S), its buffer written."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         os.nice(5)  # (below the serving process: its relay first)
     except OSError:

@@ -13,22 +13,18 @@ replica writes to one store; every reader (`explain --db postgresql://…`, `/ll
   index, never by reading the batch's time range, so an import in any order costs what one in order
   does), adds exactly the inserted ones to the aggregates, marks dirty what a compaction already read
   of them (sql.dirty) and moves the writer's boot on (boots.py). `data` is the record compressed (codec.py).
-- Partitions: created `DAYS_AHEAD` days ahead (and for any older day a batch brings, as an import
-  does) as a plain table then ATTACHed: SHARE UPDATE EXCLUSIVE on the parent, so writers and readers
-  never wait for it. Retention drops whole days: DETACH … CONCURRENTLY then DROP, no DELETE, no bloat.
-  A day goes once all of it is older than `--records-max-age`; the optional row cap
-  (`--records-max-rows`) drops the oldest days while the others hold that many rows (the planner's
-  counts). One replica at a time does it (the retention advisory lock), every `RETAIN_EVERY_S`, in
-  its maintenance thread, on a connection of its own: a detach waiting behind a long export never
-  holds up a write. Days, compaction and crash accounting go by the store's clock (`now()`), never a
-  replica's.
+- Partitions: created `DAYS_AHEAD` days ahead (and for any older day a batch brings) as a plain table
+  then ATTACHed (SHARE UPDATE EXCLUSIVE: writers and readers never wait). Retention drops whole days
+  (DETACH … CONCURRENTLY, DROP) past `--records-max-age`, or the oldest past `--records-max-rows`; one
+  replica at a time (the retention advisory lock), every `RETAIN_EVERY_S`, in its maintenance thread,
+  on a connection of its own. Days, compaction and crash accounting go by the store's clock (`now()`).
+- Every connection has TCP keepalives, every call a client-side deadline (deadline.py): a silent store costs seconds.
 - Schema: versions and online migrations in migration.py. Schema 1 kept records in the unpartitioned
   `llmproxy_requests`, which its replicas check as `schema_version` 1: that table is left as it is, so
   a rolling upgrade's old replicas keep writing to it, and the maintenance pass moves its records in
   (oldest first, `MOVE_CHUNK` at a time, through the same write path, within `BUDGET_S`) until it is
   empty; a row it cannot read is dropped and counted. Drop the table once no old replica runs.
-- The password comes from the URL, `--records-db-password-file` (a mounted Secret, re-read at each
-  connect) or libpq's own `PGPASSWORD` / `PGPASSFILE`; log lines name the store by `redact(url)`.
+- The password: the URL, `--records-db-password-file` (re-read at each connect) or libpq's `PGPASSWORD`.
 """
 from __future__ import annotations
 
@@ -48,6 +44,7 @@ from . import boots
 from . import codec
 from . import columns as C
 from . import sql as A
+from .deadline import OPTIONS as KEEPALIVES, Watchdog
 from .migration import LEVEL, TYPES, Newer, finish, prepare
 from .partitions import TABLE, Partitions
 
@@ -56,6 +53,7 @@ LEGACY = "llmproxy_requests"  # schema 1's table
 RETAIN_LOCK = 0x6C6D7002  # advisory locks ("lm" p n; 1, 5: migration.py; 3: partitions.py)
 COMPACT_LOCK = 0x6C6D7004  # one per block or hour: (this, its start / its span, + 2^30 for an hour)
 RETAIN_EVERY_S = 5.0
+WRITE_S, READ_S, OPEN_S, MAINTAIN_S = 10.0, 3.0, 300.0, 300.0  # client-side deadlines (deadline.py): a batch, a read, opening, a pass
 MOVE_CHUNK = 5000
 BUDGET_S = 2.0  # what one maintenance pass may spend compacting hours and moving schema 1's records in
 NAMES = (*C.COLUMNS, "data")
@@ -85,11 +83,10 @@ def redact(url: str) -> str:
 
 
 def connect(url: str, password_file: str = "", **options: Any) -> psycopg.Connection[Any]:
-    """A connection (autocommit: transactions are explicit); the password file, when given, wins. No
-    statement is prepared: a prepared one gets a generic plan after five runs, which prunes no
-    partition and plans a batch's time range as if it were any (the rollup's statement ran 5x slower)."""
+    """A connection (autocommit: transactions are explicit); the password file, when given, wins. Nothing prepared: a
+    generic plan prunes no partition (the rollup's statement ran 5x slower)."""
     kwargs: dict[str, Any] = {"autocommit": True, "connect_timeout": 5, "application_name": "llm-latency-proxy", "prepare_threshold": None,
-                              **options}
+                              **KEEPALIVES, **options}
     if password_file:
         with open(password_file, encoding="utf-8") as handle:
             kwargs["password"] = handle.read().strip()
@@ -134,6 +131,7 @@ class PostgresBackend:
         self.tally: Callable[[], boots.Tally] | None = None  # the writer's own figures (records.Writer sets it; an import has none)
         self._readers: list[psycopg.Connection[Any] | None] = [None, None]
         self._reader_locks = (threading.Lock(), threading.Lock())
+        self.watchdog = Watchdog()  # every call's client-side deadline (deadline.py)
 
     def _connect(self, **options: Any) -> psycopg.Connection[Any]:
         try:
@@ -148,10 +146,11 @@ class PostgresBackend:
         staging table; its days' partitions."""
         conn = self._connect(options=self.session)
         try:
-            prepare(conn)
-            _stage(conn)
-            self.partitions = Partitions()
-            self.partitions.ahead(conn, now_ns(conn))
+            with self.watchdog.deadline(conn, OPEN_S):
+                prepare(conn)
+                _stage(conn)
+                self.partitions = Partitions()
+                self.partitions.ahead(conn, now_ns(conn))
         except Newer as exc:
             conn.close()
             raise Unavailable(str(exc)) from None
@@ -168,12 +167,13 @@ class PostgresBackend:
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise Rejected(f"not a record: {exc}") from None
         try:
-            self.partitions.ensure(conn, {row.ended_ns // C.DAY_NS for row in rows})
-            with conn.transaction():
-                stored = self._insert(conn, values)
-                if self.tally is not None:
-                    conn.execute(*boots.upsert(A.POSTGRES, self.tally(), stored, now_ns(conn)))
-                return stored
+            with self.watchdog.deadline(conn, WRITE_S):
+                self.partitions.ensure(conn, {row.ended_ns // C.DAY_NS for row in rows})
+                with conn.transaction():
+                    stored = self._insert(conn, values)
+                    if self.tally is not None:
+                        conn.execute(*boots.upsert(A.POSTGRES, self.tally(), stored, now_ns(conn)))
+                    return stored
         except (psycopg.errors.DataError, psycopg.errors.IntegrityError) as exc:  # what these rows hold
             raise Rejected(_scrubbed(exc, self.url)) from None
         except psycopg.Error as exc:  # down, restarting, slow, the table gone: reconnect (and migrate) and retry
@@ -203,41 +203,46 @@ class PostgresBackend:
                 conn = self.maint = self._connect()
                 _stage(conn)  # (schema 1's records move in through the same statement)
                 self.maint_partitions = Partitions()
-            now = now_ns(conn)
-            lost = boots.account(conn, A.POSTGRES, now, self.tally().boot if self.tally is not None else "")
-            if self.tally is not None:
-                tally = self.tally()
-                conn.execute(A.POSTGRES.sql("UPDATE llmproxy_boots SET assigned = ?, dropped = ?, seen_ns = ? WHERE boot = ?"),
-                             (tally.assigned, tally.dropped, now, tally.boot))
-            if not conn.execute("SELECT pg_try_advisory_lock(%s)", (RETAIN_LOCK,)).fetchone()[0]:  # type: ignore[index]
-                return lost, 0  # another replica is at it
-            try:
-                partitions = self.maint_partitions
-                partitions.ahead(conn, now)
-                for name in partitions.expired(conn, self.max_age_s, self.max_rows, now):
-                    partitions.drop(conn, name)
-                for table in ("llmproxy_compacted", "llmproxy_dirty"):  # (what the dropped days' aggregates were)
-                    conn.execute(f"DELETE FROM {table} WHERE start < %s", (partitions.oldest(conn),))
-                began = time.monotonic()
-                self._compact(conn, budget_s=BUDGET_S)
-                while time.monotonic() - began < BUDGET_S and self._move(conn):
-                    pass
-                finish(conn)
-            finally:
-                conn.execute("SELECT pg_advisory_unlock(%s)", (RETAIN_LOCK,))
-            bad, self.moved_bad = self.moved_bad, 0
-            return lost, bad
+            with self.watchdog.deadline(conn, MAINTAIN_S):
+                return self._maintain(conn)
         except psycopg.Error as exc:
             if self.maint is not None:
                 self.maint.close()
             raise Unavailable(_scrubbed(exc, self.url)) from None
+
+    def _maintain(self, conn: psycopg.Connection[Any]) -> tuple[int, int]:
+        now = now_ns(conn)
+        lost = boots.account(conn, A.POSTGRES, now, self.tally().boot if self.tally is not None else "")
+        if self.tally is not None:
+            tally = self.tally()
+            conn.execute(A.POSTGRES.sql("UPDATE llmproxy_boots SET assigned = ?, dropped = ?, seen_ns = ? WHERE boot = ?"),
+                         (tally.assigned, tally.dropped, now, tally.boot))
+        if not conn.execute("SELECT pg_try_advisory_lock(%s)", (RETAIN_LOCK,)).fetchone()[0]:  # type: ignore[index]
+            return lost, 0  # another replica is at it
+        try:
+            partitions = self.maint_partitions
+            partitions.ahead(conn, now)
+            for name in partitions.expired(conn, self.max_age_s, self.max_rows, now):
+                partitions.drop(conn, name)
+            for table in ("llmproxy_compacted", "llmproxy_dirty"):  # (what the dropped days' aggregates were)
+                conn.execute(f"DELETE FROM {table} WHERE start < %s", (partitions.oldest(conn),))
+            began = time.monotonic()
+            self._compact(conn, budget_s=BUDGET_S)
+            while time.monotonic() - began < BUDGET_S and self._move(conn):
+                pass
+            finish(conn)
+        finally:
+            conn.execute("SELECT pg_advisory_unlock(%s)", (RETAIN_LOCK,))
+        bad, self.moved_bad = self.moved_bad, 0
+        return lost, bad
 
     def closed(self, clean: bool = True) -> None:
         """The writer stops: its boot closed with its last figures, nothing it numbered unaccounted (not `clean`: left
         running, for a pass to account)."""
         if self.conn is not None and self.tally is not None:
             try:
-                self.conn.execute(*boots.close(A.POSTGRES, self.tally(), now_ns(self.conn), clean))
+                with self.watchdog.deadline(self.conn, READ_S):
+                    self.conn.execute(*boots.close(A.POSTGRES, self.tally(), now_ns(self.conn), clean))
             except psycopg.Error:
                 pass  # (unreachable at the end: its boot is accounted as lost later, with what it could not write)
 
@@ -304,15 +309,21 @@ class PostgresBackend:
     def _reading(self, second: bool = False) -> Iterator[psycopg.Connection[Any] | None]:
         """The readers' connection (or their second); None while no replica of this version has written."""
         index = int(second)
-        with self._reader_locks[index]:
+        lock = self._reader_locks[index]
+        if not lock.acquire(timeout=READ_S):  # (a read already waits on a store gone silent: this one is not added to it)
+            raise Unavailable("the records store did not answer a read in time")
+        try:
             conn = self._readers[index]
             if conn is None or conn.closed:
-                conn = self._readers[index] = connect(self.url, self.password_file)
+                conn = self._readers[index] = connect(self.url, self.password_file, options=f"-c statement_timeout={int(READ_S * 1000)}")
             try:
-                yield conn if conn.execute("SELECT to_regclass(%s)", (TABLE,)).fetchone()[0] is not None else None  # type: ignore[index]
+                with self.watchdog.deadline(conn, READ_S):
+                    yield conn if conn.execute("SELECT to_regclass(%s)", (TABLE,)).fetchone()[0] is not None else None  # type: ignore[index]
             except psycopg.Error:
                 conn.close()
                 raise
+        finally:
+            lock.release()
 
     def _read(self, sql: str, args: list[Any] | tuple[Any, ...]) -> list[tuple[Any, ...]]:
         with self._reading() as conn:

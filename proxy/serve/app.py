@@ -6,6 +6,7 @@ but the proxy's own endpoints (`/metrics`, `/healthz`, `/ui`, `/llmproxy/*`), a 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import gc
 import logging
 import os
@@ -47,6 +48,7 @@ from .tenants import Tenants
 log = logging.getLogger("llmproxy")
 SETTINGS_ENV = "LLMPROXY_SETTINGS_JSON"
 RECORDS_FLUSH_S = 5.0  # at shutdown, after the drain: what the records buffer may take to reach the store
+READ_FLUSH_S = 0.5  # /llmproxy/requests waits this long at most for what was just finished to be written
 ADMIN_PATHS = ("/metrics", "/healthz", "/ui")  # and /llmproxy/*: never relayed
 
 
@@ -270,6 +272,7 @@ class ProxyApp:
             return metrics.render(accept)
 
         page, gate = files(), Gate(admin_key)
+        scraper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="llmproxy-scrape")
 
         @app.middleware("http")
         async def protect(request: Request, call_next: Any) -> Response:
@@ -290,7 +293,9 @@ class ProxyApp:
             metrics.expire_tenants()  # (here, on the loop that observes: never beside an observation)
             # In a thread: rendering thousands of series must not hold the event loop (and the
             # streams on it) for the whole render; the GIL still switches every 5 ms.
-            body, content_type = await asyncio.to_thread(scrape_now, request.headers.get("accept", ""))
+            # Its own thread: the default executor's may all wait on a store gone silent (the reads' deadlines bound
+            # them, but a scrape never waits on the store at all).
+            body, content_type = await asyncio.get_running_loop().run_in_executor(scraper, scrape_now, request.headers.get("accept", ""))
             return Response(body, media_type=content_type)
 
         @app.get("/ui")
@@ -316,7 +321,7 @@ class ProxyApp:
             filters = records.Filters(model, upstream, outcome, api, slo, verdict, instance, min_ttft, tenant, user)
             store = self.outbox
             if store is not None:
-                await asyncio.to_thread(store.flush)
+                await asyncio.to_thread(store.flush, READ_FLUSH_S)
                 try:
                     found = await asyncio.to_thread(store.recent, limit, filters)
                     return Response(b"[" + b",".join(found) + b"]", media_type="application/json")  # (as stored: never parsed here)

@@ -38,8 +38,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("llmproxy.checks")
 
 KEYS = ("path", "interval", "timeout", "unhealthy", "generate", "metrics")
-QUEUE_GAUGES = {b"vllm:num_requests_running": 0, b"vllm:num_requests_waiting": 1}  # (SGLang's: sglang:num_running_reqs, ...)
-SGLANG_GAUGES = {b"sglang:num_running_reqs": 0, b"sglang:num_queue_reqs": 1}
+QUEUE_GAUGES = {b"vllm:num_requests_running": 0, b"vllm:num_requests_waiting": 1,  # (0: running, 1: waiting)
+                b"sglang:num_running_reqs": 0, b"sglang:num_queue_reqs": 1}
 BODY_LIMIT = 64 * 1024  # a check's answer read at most (then the connection is let go)
 METRICS_LIMIT = 4 * 1024 * 1024  # an engine's metrics page read at most
 
@@ -176,7 +176,7 @@ def queue_of(text: bytes) -> tuple[float, float] | None:
         if not (line.startswith(b"vllm:") or line.startswith(b"sglang:")):
             continue
         name = line.split(b"{", 1)[0].split(b" ", 1)[0]
-        slot = QUEUE_GAUGES.get(name, SGLANG_GAUGES.get(name))
+        slot = QUEUE_GAUGES.get(name)
         if slot is None:
             continue
         try:

@@ -6,8 +6,8 @@ answers 503 at once: it is never busy and never slow), so failures are judged ap
 from every attempt sent to it, whichever request it served and whether or not it was retried:
 
 - **sick**: a connect error, a connection broken, a 5xx, an error the stream reported in-band, a
-  first-token or inter-chunk timeout, an active check failed. **Busy**: a 429, or no first token by
-  the route's deadline. A busy answer fails the attempt over and weighs on the replica's score (its
+  first-token or inter-chunk timeout, an active check failed. **Busy**: a 429, no first token by
+  the route's deadline, or the proxy's own pool to it full. A busy answer fails the attempt over and weighs on the replica's score (its
   `share`), never on its ejection: a full fleet is not a sick one, and a client's own key's quota
   says nothing about the replica for everyone else. A 429 with Retry-After on the proxy's own key backs
   the replica off for that long (`backoff_until`: it takes requests only when no other replica of its

@@ -89,11 +89,6 @@ def serving(replicas: Sequence[Replica], now: float) -> list[Replica]:
     return quiet if quiet and len(quiet) < len(out) else out
 
 
-def forced(upstream: Replica, now: float) -> bool:
-    """Whether a request placed on this replica now was placed there by force (it is set aside: `serving` let it in)."""
-    return not upstream.health.available(now)
-
-
 class Picker:
     __slots__ = ("rng", "turn")
 

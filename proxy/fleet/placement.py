@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Any
 from ..measure.timing import now_ns
 from ..wire.prompt import Chain
 from .forecast import Forecast
-from .picker import Picker, forced
+from .picker import Picker
 from .prefix import Use
-from .retry import Attempt
+from .retry import BUSY, Attempt
 
 if TYPE_CHECKING:
     from .. import apis
@@ -133,7 +133,7 @@ class Placement:
         f.pending += own
         f.last_s, f.sent = now, f.sent + 1
         self.pending, self.sent_s = own, now
-        self.forced = forced(upstream, now)
+        self.forced = not upstream.health.available(now)  # (set aside: the route served it by force)
         self.probe, self.judged, self.retry_after = upstream.health.sent(now), False, None
 
     def body(self, parsed: dict[str, Any] | None, original: bytes, route: apis.Route, inject_usage: bool) -> tuple[bytes, bool]:
@@ -214,7 +214,7 @@ class Placement:
         t.attempts.append(Attempt(upstream.label, reason, t.issued_ns or now, now, span_id, upstream.pool.host, upstream.pool.port))
         if t.first_issued_ns is None:
             t.first_issued_ns = t.issued_ns or now
-        self._judge("busy" if reason in ("status_429", "deadline") else "sick")
+        self._judge("busy" if reason in BUSY else "sick")
         lesson = self.lesson
         if reason == "deadline" and lesson is not None and lesson.use is not None and lesson.use.predicted:
             lesson.use.index.forget(lesson.use.prompt)  # (a predicted hit that missed its deadline: evicted, likely)

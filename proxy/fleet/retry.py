@@ -20,6 +20,7 @@ from typing import Any
 
 RATIO, MIN_CONCURRENCY = 0.2, 3  # the defaults, Envoy's: 20% of the route's requests in flight, at least 3
 REASONS = ("connect_error", "broken", "status_5xx", "status_429", "deadline", "stream_error", "silent", "pool_full")  # why an attempt was abandoned
+BUSY = ("status_429", "deadline", "pool_full")  # of those, the replica's load, not its sickness (health.py's `busy`)
 
 
 class FailOver(Exception):

@@ -38,7 +38,6 @@ class Watchdog:
         self.order = itertools.count()
         self.cancelled: set[int] = set()
         self.thread: threading.Thread | None = None
-        self.cuts = 0  # connections cut (a count the tests and the log read)
 
     def arm(self, conn: Any, seconds: float) -> int:
         with self.cond:
@@ -77,7 +76,6 @@ class Watchdog:
                     self.cond.wait(wait)
                     continue
                 heapq.heappop(self.due)
-                self.cuts += 1
                 cut(conn)
 
 

@@ -310,11 +310,11 @@ class Exchange:
         query = self.route.dialect.upstream_query(self.scope.get("query_string", b""), upstream.pool.key is not None or bool(self.app.client_keys))
         url = upstream.pool.target(self.scope["path"], query)
         retry = not self.started and place.could_retry(budgeted=False)
-        hold = place.deadline_s() if t.stream else None
+        first_s = place.deadline_s()
         self.holding = t.stream and retry  # held only while a retry could follow
-        deadline = loop.call_later(hold, self._on_deadline) if self.holding and hold is not None else None
+        deadline = loop.call_later(first_s, self._on_deadline) if self.holding and first_s is not None else None
         window = place.watch_s() if retry else None  # (the active checks' verdicts: a replica wedged)
-        self.watch = loop.call_later(max(window, place.deadline_s() or 0.0), self._on_watch, window) if window is not None else None
+        self.watch = loop.call_later(max(window, first_s or 0.0), self._on_watch, window) if window is not None else None
         try:
             async with asyncio.timeout_at(self.first_token_by) as silence:
                 try:

@@ -42,11 +42,14 @@ def stale() -> list[str]:
     Only in a checkout (setup.py beside the package): an installed wheel writes both at install time."""
     if not (PACKAGE.parent / "setup.py").exists():
         return []
+    # Each module's extension is a shim; the code is in the group's one library. A failed C compile (the
+    # extensions are optional) rebuilds the shims and leaves the old library: both must be newer.
+    group = [PACKAGE.parent / f"llmproxy_hot__mypyc{suffix}" for suffix in importlib.machinery.EXTENSION_SUFFIXES]
     out = []
     for name in HOT_MODULES:
         source = PACKAGE / f"{name.replace('.', '/')}.py"
         for suffix in importlib.machinery.EXTENSION_SUFFIXES:
             built = source.with_name(source.stem + suffix)
-            if built.exists() and source.exists() and source.stat().st_mtime > built.stat().st_mtime:
+            if built.exists() and source.exists() and any(source.stat().st_mtime > b.stat().st_mtime for b in [built, *group] if b.exists()):
                 out.append(str(source.relative_to(PACKAGE.parent)))
     return out

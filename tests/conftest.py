@@ -75,3 +75,11 @@ def _frozen_heap() -> None:
     heap the same way: server.py). Each collection then walks only what the running test made."""
     gc.collect()
     gc.freeze()
+
+
+@pytest.fixture(autouse=True)
+def _records_of_this_test(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The default records database is one file per listening port in the user's data directory: a proxy of
+    this test on a port an earlier test used would serve that test's records too (a CI run read 10 where 4
+    were made). A data directory per test; a proxy restarted within one test still finds its own."""
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path_factory.mktemp("data")))

@@ -6,6 +6,7 @@ loop is held up on purpose between the read and the task's turn, for 30 ms, and 
 still say when the bytes were read.
 """
 import asyncio
+import statistics
 import time
 from typing import Any
 
@@ -138,3 +139,70 @@ def test_a_body_in_a_later_read_ends_the_upload_at_that_read(split_at):
     first_byte, body_end = seen["stamps"]["first_byte_ns"], seen["stamps"]["body_end_ns"]
     assert body_end - first_byte >= 18 * MS  # the upload's 20 ms is the client's
     assert last <= body_end <= last + 1 * MS
+
+
+
+def _late_reads(arrival: Any, rng: Any) -> tuple[list[int], list[int], int]:
+    """300 reads of bytes written 0-13 ms before them on a real loopback TCP pair: how early and how late each
+    kernel stamp was against the write (ns), and how many reads took the kernel's path (a tick or more late)."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    writer = socket.create_connection(listener.getsockname())
+    reader, _ = listener.accept()
+    reader.setblocking(False)
+    early, late, kernel_path = [], [], 0
+    try:
+        for _ in range(300):
+            before = time.monotonic_ns()
+            writer.send(b"x" * 64)
+            after = time.monotonic_ns()
+            time.sleep(rng.uniform(0, 0.013))
+            now = time.monotonic_ns()
+            assert reader.recv(4096) == b"x" * 64
+            stamp = arrival.arrived_ns(reader, now)
+            assert stamp <= now
+            if stamp < now:
+                kernel_path += 1
+                early.append(before - stamp)
+                late.append(stamp - after)
+    finally:
+        for s in (writer, reader, listener):
+            s.close()
+    return early, late, kernel_path
+
+
+def test_the_kernels_arrival_stamp_never_precedes_the_write_and_is_within_a_tick():
+    """arrival.py on a real loopback TCP pair, bytes read 0-13 ms after their write (random, so every phase of the
+    kernel's tick is met): each stamp falls after the write, within two ticks of it (arrival.py says why). First
+    before the tick's phase is measured (the next coarse value stands for the tick's start), then after. The
+    coarse clock's value runs 0.9 ms behind its step here: taken as the tick's start (the code before), reads a
+    tick or more late were stamped up to that much before their bytes were written."""
+    import random
+
+    from proxy.measure import arrival
+
+    if not arrival.TICK_NS:
+        pytest.skip("no TCP_INFO or coarse clock here")
+    rng = random.Random(7)
+    saved = arrival.PHASE_NS[0]
+    try:
+        arrival.PHASE_NS[0] = arrival.TICK_NS
+        early, late, kernel_path = _late_reads(arrival, rng)
+        assert kernel_path > 100 and max(early) <= 20_000, sorted(early)[-5:]  # (a few µs of clock reading aside)
+        assert max(late) <= 3 * arrival.TICK_NS + arrival.PHASE_MARGIN_NS, sorted(late)[-5:]  # (the next tick's start)
+        unmeasured = statistics.median(late)
+
+        phase = arrival.TickPhase()
+        measured = phase.measure()
+        assert measured is not None and 0 <= measured < arrival.TICK_NS
+        phase.calibrate()
+        assert abs(arrival.PHASE_NS[0] - arrival.PHASE_MARGIN_NS - measured) < 200_000  # (a second measurement)
+        early, late, kernel_path = _late_reads(arrival, rng)
+        assert kernel_path > 100 and max(early) <= 20_000, sorted(early)[-5:]
+        # Within its tick, and one more where the read came just after the kernel woke (arrival.py), with room for
+        # a loaded machine's timer interrupt: the bound that matters is the one above, never early.
+        assert max(late) <= 3 * arrival.TICK_NS, sorted(late)[-5:]
+        assert statistics.median(late) < unmeasured  # the measured phase is the closer bound
+    finally:
+        arrival.PHASE_NS[0] = saved

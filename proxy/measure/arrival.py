@@ -11,9 +11,18 @@ uvloop's transports read with `recv`, which drops it; TCP_INFO is one `getsockop
 
 The estimate is the latest instant the arrival can have been, never later than the loop's own stamp:
 - 0 ms: the segment arrived in this tick, and the loop's stamp stands (a prompt loop: exact);
-- n ticks ago: it arrived within the tick that began n ticks before the current one (whose start is
-  CLOCK_MONOTONIC_COARSE, the same clock as `time.monotonic_ns`, kept at the tick): that tick's end.
-So a late read is stamped at most one tick after its bytes arrived, and never before they did.
+- n ticks ago: it arrived within the tick that began n ticks before the current one: that tick's end.
+When did the current tick begin? CLOCK_MONOTONIC_COARSE (the same clock as `time.monotonic_ns`) steps once a
+tick, but its value is the kernel's timekeeping grid, which is not the tick's: here it reads 0.9 ms behind the
+moment it steps, jiffies with it (a CI run stamped reads 0.8 ms before their bytes were written, taking the
+coarse value as the tick's start). The phase is steady without NTP and drifts with NTP's frequency steering
+(µs a second), so `TickPhase` measures it in its own thread every 10 s: polling every 50 µs across a few steps,
+the fine clock less the coarse one at the first poll after each step (never below the phase), the median.
+Until measured, the next coarse value stands for the tick's start: one tick after its value, never before it.
+A read just after the kernel woke from idle can see the coarse value of a tick whose jiffies step is still to
+come (timekeeping catches up to the latest grid point, jiffies to the latest tick): one tick fewer counted,
+so the stamp is a tick later than it might be, never earlier. So a late read is stamped within a tick after
+its bytes arrived, two after a wake from idle (the phase's margin aside), and never before they did.
 
 What no stamp can show: bytes that arrived in several segments while the loop was away are one read,
 stamped with the last segment's arrival (the kernel also merges queued segments, with the newest
@@ -22,7 +31,9 @@ stamp). timing.split() reads a run of equal stamps as one such read.
 from __future__ import annotations
 
 import socket
+import statistics
 import struct
+import threading
 import time
 from typing import Any
 
@@ -37,6 +48,12 @@ except OSError:  # (not Linux: no coarse clock, no TCP_INFO)
 _HALF_TICK_NS = TICK_NS // 2
 _IPPROTO_TCP = socket.IPPROTO_TCP
 _UNPACK = struct.Struct("=I").unpack_from
+# The tick's start less the coarse clock's value: one per machine, so one per process, set by TickPhase (a tick:
+# not measured yet, the safe side). A list, so the thread's store is seen by compiled readers.
+PHASE_NS = [TICK_NS]
+PHASE_MARGIN_NS = 100_000  # a tick's interrupt later than the median one: stamps err late by this, not early
+_STEPS = 5  # coarse steps a measurement polls across
+_POLL_S = 50e-6
 
 
 def socket_of(transport: Any) -> socket.socket | None:
@@ -73,8 +90,57 @@ def arrived_ns(sock: Any, now: int) -> int:
     if ms == 0:
         return now
     ticks = (ms * 1_000_000 + _HALF_TICK_NS) // TICK_NS
-    latest: int = time.clock_gettime_ns(_COARSE) - (ticks - 1) * TICK_NS
+    latest: int = time.clock_gettime_ns(_COARSE) + PHASE_NS[0] - (ticks - 1) * TICK_NS
     return latest if latest < now else now
+
+
+class TickPhase:
+    """Measures PHASE_NS in a daemon thread: a few coarse steps every `every_s`, each caught by polling every 50 µs
+    from just before it is due (some ten wakes a step, well under a millisecond of CPU a minute)."""
+
+    def __init__(self, every_s: float = 10.0) -> None:
+        self.every_s = every_s
+        self._stop = threading.Event()
+        self._worker: threading.Thread | None = None
+
+    def measure(self) -> int | None:
+        """The median, over STEPS coarse steps, of the fine clock less the new coarse value at the first poll
+        after the step; None when the kernel keeps no coarse ticks or a step never came in time."""
+        if not TICK_NS:
+            return None
+        seen: list[int] = []
+        guess = PHASE_NS[0] if PHASE_NS[0] < TICK_NS else 0
+        for _ in range(_STEPS):
+            start = time.clock_gettime_ns(_COARSE)
+            wait_s = (start + TICK_NS + guess - 200_000 - time.monotonic_ns()) / 1e9
+            if wait_s > 0:
+                time.sleep(wait_s)
+            give_up = time.monotonic_ns() + 3 * TICK_NS
+            while (coarse := time.clock_gettime_ns(_COARSE)) == start:
+                if time.monotonic_ns() > give_up:
+                    return None
+                time.sleep(_POLL_S)
+            seen.append(time.monotonic_ns() - coarse)
+        return int(statistics.median(seen))
+
+    def calibrate(self) -> None:
+        phase = self.measure()
+        if phase is not None and phase < TICK_NS:
+            PHASE_NS[0] = phase + PHASE_MARGIN_NS
+
+    def start(self) -> None:
+        if TICK_NS and self._worker is None:
+            self._worker = threading.Thread(target=self._run, name="llmproxy-tick-phase", daemon=True)
+            self._worker.start()
+
+    def _run(self) -> None:
+        while True:
+            self.calibrate()
+            if self._stop.wait(self.every_s):
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 def socket_rtt_s(sock: Any) -> float | None:

@@ -28,6 +28,7 @@ from ..fleet.health import EJECT_REASONS, STATES
 from ..fleet.replica import Replica
 from ..fleet.routes import Router
 from ..measure import cpu
+from ..measure.arrival import TickPhase
 from ..measure.meters import Meters, build_meters
 from ..measure.metrics import ProxyMetrics, multiprocess_enabled
 from ..measure.offload import Offload
@@ -176,6 +177,8 @@ class ProxyApp:
         lag = cpu.LoopLag(self.metrics.child("llmproxy_event_loop_lag_seconds").observe, lambda: self.admission.in_flight > 0)
         lag.start()
         self.admission.on_busy = lag.wake
+        phase = TickPhase()  # where the kernel's tick begins, for the arrival stamps (arrival.py), in its own thread
+        phase.start()
         if self.settings.routes or self.settings.slo or self.settings.tenants:
             try:  # (only the main thread of a process may; a test serving the app in a thread cannot)
                 asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.reload)
@@ -204,6 +207,7 @@ class ProxyApp:
             if watcher is not None:
                 watcher.cancel()
             lag.stop()
+            phase.stop()
             await checker.stop()
             await self.telemetry.drain()  # every finished request exported before the exporters stop
             store = self.outbox

@@ -52,6 +52,7 @@ PANEL_OUTCOMES = "Requests by outcome and code"
 PANEL_OVERHEAD = "Proxy's own overhead (phase proxy)"
 PANEL_SHED = "Shed load: 503 proxy_overloaded, by reason"
 PANEL_FDS = "Open descriptors vs the limit"
+PANEL_TELEMETRY = "Telemetry errors"
 PANEL_POOL = "The proxy's own upstream pool"
 PANEL_CPU = "The proxy's own CPU: throttling and event-loop lag"
 ROW_SLO = "Service-level objectives"
@@ -71,6 +72,7 @@ FIRST_LOOK: dict[str, tuple[str, str, str]] = {  # alert: (panel, explain argume
     "LLMProxySaturated": (PANEL_SHED, "", "outcome=overloaded"),
     "LLMProxyDescriptorsNearLimit": (PANEL_FDS, "", "outcome=overloaded"),
     "LLMProxyUpstreamPoolFull": (PANEL_POOL, "", f"upstream={UPSTREAM}"),
+    "LLMProxyRecordsMaintenanceFailing": (PANEL_TELEMETRY, "", ""),
     "LLMProxyDown": (PANEL_OUTCOMES, "", ""),
     "LLMProxyMetricsAbsent": ("", "", ""),
 }
@@ -186,9 +188,11 @@ def build() -> dict:
                      .with_target(q(f"sum(llmproxy_requests_in_flight{{{UP}}})", "in flight", "A")))
     d = d.with_panel(ts(PANEL_OVERHEAD, "s", quantiles("llmproxy_proxy_overhead_seconds", 'upstream=~"$upstream", endpoint=~"$endpoint"')[::2], 12, 54, w=6,
                         description="Not by model: the proxy's own time does not depend on it."))
-    d = d.with_panel(ts("Telemetry errors", "short", [
-        q(f"sum by (component) (rate(llmproxy_telemetry_errors_total[{RI}]))", "{{component}}", "A")], 18, 54, w=6,
-        description="Failures inside metrics, tracing, tokenizer or records. Requests were unaffected, but numbers may be missing."))
+    d = d.with_panel(ts(PANEL_TELEMETRY, "short", [
+        q(f"sum by (component) (rate(llmproxy_telemetry_errors_total[{RI}]))", "{{component}}", "A"),
+        q(f"sum by (step) (rate(llmproxy_records_maintenance_errors_total[{RI}]))", "records maintenance: {{step}}", "B")], 18, 54, w=6,
+        description="Failures inside metrics, tracing, tokenizer or records, and failed passes of the records store's maintenance by step. "
+                    "Requests were unaffected, but numbers may be missing."))
 
     d = d.with_panel(ts(PANEL_SHED, "reqps", [
         q(f"sum by (reason) (rate(llmproxy_requests_rejected_total{{{UP}}}[{RI}]))", "rejected: {{reason}}", "A"),

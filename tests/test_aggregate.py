@@ -201,3 +201,23 @@ def test_a_busy_models_sample_is_the_one_a_full_scan_finds(records, store, monke
     quiet = sorted(((r["model"], r["upstream"]) for r in records), key=lambda g: sum(1 for r in records if (r["model"], r["upstream"]) == g))[0]
     assert len(db.execute(busy, (*quiet, 0)).fetchall()) < 5
     assert sql.sampled(db, sql.SQLITE, "prefill", *quiet, 10**6, Window()) == db.execute(every, (*quiet, 0)).fetchall()
+
+
+def test_a_days_window_reads_its_first_block_from_the_histograms_and_never_a_dropped_one():
+    """PostgreSQL drops the ten-minute histograms by day, once all of a day is older than BLOCKS_KEPT_S
+    (partitions.expired). What a read counts on (sql.kept_from, by the store's clock) must never include a day that a
+    drop may take while it reads, and must reach back far enough for a 24-hour window's first block (a day's margin
+    on the reader's clock, before, sent it to the raw records every time)."""
+    import random
+
+    from proxy.records import columns as C
+    from proxy.records.sql import BLOCK_NS, BLOCKS_KEPT_S, kept_from
+
+    rng = random.Random(3)
+    covered = 0
+    for _ in range(2000):
+        now = 1_760_000_000_000_000_000 + rng.randrange(30 * C.DAY_NS)
+        oldest_kept_day = (now - int(BLOCKS_KEPT_S * 1e9)) // C.DAY_NS  # (days before it are dropped; it may go at any moment)
+        assert kept_from(now, by_day=True) >= (oldest_kept_day + 1) * C.DAY_NS
+        covered += (now - C.DAY_NS) // BLOCK_NS * BLOCK_NS >= kept_from(now, by_day=True)
+    assert covered >= 0.98 * 2000, covered  # (missed only in the ten minutes after the store's day begins: the block straddles)

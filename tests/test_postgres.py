@@ -252,9 +252,14 @@ def test_retention_drops_whole_days_past_the_age_and_the_row_cap(clean):
     days = partitions(pg)
     assert len(days) >= 6 + 2 and rows(pg) == 120  # six days of records, and partitions made ahead
     store.max_age_s = (time.time_ns() - (today - 3) * 86400_000_000_000) / 1e9 - 60  # the cutoff a minute into day -3: days -5, -4 wholly past
-    pg.query(f"ALTER TABLE {TABLE} DETACH PARTITION {days[0]}")  # a drop interrupted after its detach: the day is no partition now
+    from proxy.records.partitions import DROPPING
+
+    pg.query(f"COMMENT ON TABLE {days[0]} IS '{DROPPING}'")  # a drop interrupted after its detach: marked, no partition now
+    pg.query(f"ALTER TABLE {TABLE} DETACH PARTITION {days[0]}")
+    pg.query(f"ALTER TABLE {TABLE} DETACH PARTITION {days[1]}")  # an archive an operator detached by hand (expired too): no mark
     store.maintain()
     assert pg.query("SELECT to_regclass(%s)", days[0]) == [(None,)]  # dropped all the same
+    assert pg.query("SELECT to_regclass(%s)::text", days[1]) == [(days[1],)]  # kept: not ours to drop
     assert rows(pg) == 80 and len(partitions(pg)) == len(days) - 2
     assert [name for name in days if name not in partitions(pg)] == days[:2]
     assert len(partitions(pg, "llmproxy_hist")) == len(partitions(pg)) == len(partitions(pg, "llmproxy_rollup"))
@@ -496,3 +501,127 @@ def test_a_reconnect_below_the_level_takes_no_lock_for_columns_already_there(cle
             assert time.monotonic() - began < 1.0
             reader.execute("ROLLBACK")
         conn.execute("UPDATE llmproxy_meta SET value = %s WHERE key = 'store_level'", (str(migration.LEVEL),))
+
+
+def _writer_of(pid: int) -> int:
+    """The records process of a proxy process (its OS name, set by generation.serve)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        name, rest = text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
+        if name == "llmproxy-writer" and int(rest[1]) == pid and rest[0] not in ("Z", "X"):  # (a killed one not reaped yet)
+            return int(stat.parent.name)
+    raise AssertionError(f"no records process under {pid}")
+
+
+def test_a_records_process_killed_alone_loses_what_it_held_counted_once_by_whoever_counts(sim, clean, tmp_path):
+    """The records process alone killed (an OOM kill, a segfault) while the store is held up, 140 records handed to it:
+    another is started at once, and the dead one's row is settled with what the serving process handed it. Whoever
+    counts it first (this proxy's new records process, or another proxy on the store from its last figures), every
+    request's record is stored or counted lost, once: the store's figure, both proxies' counters, and the same two
+    maintenance passes later (the dead process's pid is its own row's, never flipped back to running)."""
+    import os
+
+    from proxy.records.postgres import connect
+
+    def start(instance: str) -> tuple[Process, str]:
+        port = free_port()
+        proc = Process(["serve", "--upstream", f"{sim.url}/v1", "--port", str(port), "--records-db", clean.dsn,
+                        "--records-db-password-file", str(clean.password_file), "--instance", instance], f"http://127.0.0.1:{port}/healthz")
+        return proc, f"http://127.0.0.1:{port}"
+
+    first, url = start("alone")
+    other, url2 = start("other")
+    try:
+        for _ in range(10):
+            send(url)
+        assert wait_rows(clean, 10) == 10
+        writer = _writer_of(first.process.pid)
+        with connect(clean.dsn, str(clean.password_file)) as holder:
+            holder.execute("BEGIN")
+            holder.execute(f"LOCK TABLE {TABLE} IN SHARE MODE")  # (writes wait)
+            with ThreadPoolExecutor(8) as pool:
+                list(pool.map(lambda _: send(url), range(140)))
+            time.sleep(2.0)  # (handed over: at most HOLD_S in the serving process)
+            os.kill(writer, signal.SIGKILL)
+            time.sleep(0.5)
+            holder.execute("ROLLBACK")
+
+        def lost() -> float:
+            return scraped(url, "llmproxy_records_lost_total") + scraped(url2, "llmproxy_records_lost_total")
+
+        def stored() -> int:
+            return clean.query(f"SELECT count(*) FROM {TABLE} WHERE instance = 'alone'")[0][0]
+
+        deadline = time.monotonic() + 30
+        while stored() + lost() < 150 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _writer_of(first.process.pid) != writer  # (another, started when the pipe ended)
+        assert stored() + lost() == 150, (stored(), lost())
+        assert clean.query("SELECT sum(lost) FROM llmproxy_boots WHERE instance = 'alone'")[0][0] == lost() > 0
+        counted = lost()
+        time.sleep(2 * 5.0 + 1.0)  # (two maintenance passes of each proxy: RETAIN_EVERY_S)
+        assert lost() == counted and stored() + counted == 150
+        assert clean.query("SELECT sum(lost) FROM llmproxy_boots WHERE instance = 'alone'")[0][0] == counted
+        assert clean.query("SELECT count(*) FROM llmproxy_boots WHERE instance = 'alone' AND state = 'running'")[0][0] == 2  # (it, its writer)
+    finally:
+        first.stop()
+        other.stop()
+
+
+def test_a_detach_waiting_on_a_long_reader_waits_outside_the_retention_lock_bounded(clean, monkeypatch):
+    """A day past retention while a reader's transaction can still see it: DETACH … CONCURRENTLY waits for that
+    transaction. It waits outside the retention lock (another replica's pass compacts meanwhile), for at most
+    DETACH_WAIT_S; past it the pass fails at its retention step, and once the reader is gone a pass finishes the drop."""
+    from proxy.records import Unavailable, partitions as P
+    from proxy.records.sql import BLOCK_NS
+
+    monkeypatch.setattr(P, "DETACH_WAIT_S", 2.0)
+    pg = clean
+    now = time.time_ns()
+    today = now // 86400_000_000_000
+    dropping = PostgresBackend(pg.dsn, -1, 7 * 86400.0, str(pg.password_file))
+    other = PostgresBackend(pg.dsn, -1, 7 * 86400.0, str(pg.password_file))
+    dropping.open()
+    other.open()
+
+    def rows_at(ended_ns: int, tag: str) -> list[Any]:
+        return [Writer.row(json.dumps({**fleet_record(), "id": f"{tag}-{i}", "received_unix_ns": ended_ns + i, "duration_s": 0.1}).encode())
+                for i in range(10)]
+
+    old_day = (today - 3) * 86400_000_000_000 + 43_200_000_000_000
+    dropping.write(rows_at(old_day, "old"))
+    expired = sorted(name for name in partitions(pg) if name.endswith(time.strftime("%Y%m%d", time.gmtime(old_day / 1e9))))
+    assert expired
+    dropping.max_age_s = 2 * 86400.0  # (day -3 wholly past)
+    outcome: list[Any] = []
+    with connect(pg.dsn, str(pg.password_file)) as reader:
+        reader.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        reader.execute(f"SELECT count(*) FROM {TABLE}")  # (a snapshot that sees the old day: its detach waits for it)
+
+        def run() -> None:
+            began = time.monotonic()
+            try:
+                dropping.maintain()
+                outcome.append(("done", time.monotonic() - began))
+            except Unavailable as exc:
+                outcome.append((str(exc), time.monotonic() - began))
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        time.sleep(1.0)  # (the pass is waiting on the detach now)
+        assert thread.is_alive()
+        block = (now - 3600_000_000_000) // BLOCK_NS * BLOCK_NS
+        other.write(rows_at(block + 1_000_000_000, "fresh"))
+        other.maintain()  # another replica's pass: the retention lock is free, its compaction runs
+        assert pg.query("SELECT count(*) FROM llmproxy_compacted WHERE span = %s AND start = %s", BLOCK_NS, block)[0][0] == 1
+        thread.join(15)
+        assert not thread.is_alive() and outcome and outcome[0][0] != "done" and 1.5 < outcome[0][1] < 10, outcome
+        assert dropping.step == "retention"
+        reader.execute("ROLLBACK")
+    dropping.maintain()  # (the detach finished, the day dropped)
+    assert all(pg.query("SELECT to_regclass(%s)", name) == [(None,)] for name in expired)
+    dropping.close()
+    other.close()

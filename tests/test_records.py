@@ -571,3 +571,51 @@ def test_records_import_reports_each_bad_line_by_number_and_goes_on(tmp_path):
         assert f"line {number}:" in done.stderr, done.stderr
     assert "20 records stored" in done.stderr and "1 outside the store's window (clock_skew)" in done.stderr, done.stderr
     assert len(recent(str(tmp_path / "r.sqlite"), 100)) == 20
+
+
+def test_the_serving_process_queue_is_bounded_in_bytes_and_goes_in_bounded_messages(tmp_path, monkeypatch):
+    """A writer process that stopped reading (SIGSTOP: a stall, a swap storm): the serving process's queue keeps at
+    most --records-buffer-bytes (the oldest go, counted as buffer_full, and in its row's figures), and once the
+    writer process reads again each message holds at most MESSAGE_BYTES (and one record). Every record is then
+    stored or counted dropped."""
+    import os
+    import signal
+
+    from proxy.records import generation
+    from proxy.records import outbox as outbox_module
+    from proxy.records.outbox import Outbox
+
+    cap = 256 * 1024
+    monkeypatch.setattr(outbox_module, "MESSAGE_BYTES", 64 * 1024)  # (a quarter of the cap: what is held goes in several)
+    dropped: list[int] = []
+    outbox = Outbox(str(tmp_path / "records.sqlite"), {}, "bytes", 100_000, cap, lambda: None,
+                    lambda reason, n: dropped.append(n) if reason == "buffer_full" else None)
+    try:
+        outbox.add(outbox_record(0))
+        assert until(lambda: stored(outbox) == 1)
+        os.kill(outbox._process.pid, signal.SIGSTOP)
+        held = []
+        for i in range(1, 801):  # 4 KB each: 3.2 MB, the pipe's buffer and more than ten times the cap
+            outbox.add(outbox_record(i, pad=4000))
+            held.append(outbox._added_bytes - outbox._taken_bytes - outbox._dropped_bytes)
+            time.sleep(0.001)
+        assert max(held) <= cap + 5000 and sum(dropped) > 0, (max(held), sum(dropped))
+        sizes = []
+        real_take = outbox._take
+
+        def take() -> list:
+            rows = real_take()
+            sizes.append(sum(len(row[2]) for row in rows))
+            return rows
+
+        outbox._take = take  # type: ignore[method-assign]
+        os.kill(outbox._process.pid, signal.SIGCONT)
+        outbox.flush(30)
+        assert until(lambda: stored(outbox, 10_000) + sum(dropped) == 801, timeout=30), (stored(outbox, 10_000), sum(dropped))
+        assert len(sizes) > 2 and max(sizes) <= 64 * 1024 + 5000, sizes
+        counts = outbox._counts
+        assert counts.get(generation.NUMBERED) == 801 == counts.get(generation.HANDED) + counts.get(generation.DROPPED)
+    finally:
+        with __import__("contextlib").suppress(ProcessLookupError):
+            os.kill(outbox._process.pid, signal.SIGCONT)
+        outbox.close()

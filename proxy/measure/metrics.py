@@ -30,6 +30,8 @@ TENANTED = BASE + ("tenant",)
 COMPONENTS = ("metrics", "tracing", "tokenizer", "records", "timing", "slo", "otlp_export", "otlp_metrics")
 # Why a record never reached the store (records/: the serving process's queue and the writer process).
 DROP_REASONS = ("buffer_full", "rejected", "shutdown", "clock_skew")
+# The records store's maintenance, step by step (records backends' `step`): what llmproxy_records_maintenance_errors_total names.
+MAINTENANCE_STEPS = ("connect", "boots", "partitions", "retention", "compaction", "migration")
 # Why the proxy itself answered 503 proxy_overloaded (errors.EXHAUSTED holds the exhaustion ones).
 REJECT_REASONS = ("max_in_flight", "queue_timeout", "pool", "descriptors", "ports", "memory")
 # Why a relayed response was not (wholly) measured (timing.Unmeasured).
@@ -105,6 +107,7 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("llmproxy_records_buffered", "gauge", "Per-request records waiting to be written to the records store now (the store is down or slow when it grows).", ()),
     MetricDef("llmproxy_records_dropped", "counter", "Per-request records that never reached the store, by reason: buffer_full (the store was down or slow past --records-buffer or --records-buffer-bytes: the oldest went), rejected (the store refused a batch for what it held), shutdown (not written within the flush deadline at SIGTERM), clock_skew (it ended outside the store's window: before its retention, or more than an hour after the writer's clock).", ("reason",)),
     MetricDef("llmproxy_records_nulled", "counter", "Figures of per-request records set to null because the store's typed column could not hold them (NaN, an infinity, a count below zero or past a bigint), by field; the records themselves were kept.", ("field",)),
+    MetricDef("llmproxy_records_maintenance_errors", "counter", "Failed passes of the records store's maintenance, by the step that failed: connect (its own connection), boots (crash accounting), partitions (days made ahead), retention (days dropped past the age and row limits), compaction (the aggregates), migration (an older level's indexes, schema 1's records moved in). Requests and writes go on; the step is tried again at the next pass (every 5 s in PostgreSQL), and what it leaves undone grows meanwhile: a store that is not kept to its retention, aggregates behind.", ("step",)),
     MetricDef("llmproxy_records_lost", "counter", "Per-request records lost by a writer that stopped without writing or counting them (a kill -9, an OOM kill, a crash), as the store's boots show (each writer's numbered, written and dropped records): counted once, by the writer that finds the dead one's boot.", ()),
     MetricDef("llmproxy_slo_requests", "counter", "Generation requests judged against their service-level objective (--slo), by tenant and result: good (every stated objective met) or bad. Exact counts: the error ratio and burn rate are bad / all.", ("slo", "model", "upstream", "tenant", "result")),
     MetricDef("llmproxy_slo_misses", "counter", "Bad requests by tenant, the objective missed (ttft, tpot, e2e, error) and its blame: for ttft and e2e the phase furthest above its usual value for the model, for tpot decode, for error the outcome. A request that missed two objectives counts once in each.", ("slo", "model", "upstream", "tenant", "objective", "blame")),
@@ -157,6 +160,8 @@ class ProxyMetrics:
         for reason in DROP_REASONS:
             self.child("llmproxy_records_dropped", reason)
         self.child("llmproxy_records_lost")
+        for step in MAINTENANCE_STEPS:
+            self.child("llmproxy_records_maintenance_errors", step)
         for result in ("hit", "miss"):
             self.child("llmproxy_token_cache_lookups", result)
 

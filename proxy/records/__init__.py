@@ -115,6 +115,7 @@ class Backend(Protocol):
     retain_every_s: float  # how often the writer's maintenance thread runs `maintain`, busy or idle
     max_age_s: float  # how long it keeps a record (0: no limit): a record ending earlier is skew (columns.skew)
     columns: Columns  # what it makes of each record (columns.py): the figures it nulled, counted, taken by the writer
+    step: str  # the maintenance step under way, or the last one (metrics.MAINTENANCE_STEPS): what a failure is counted as
     tally: Callable[[], Tally] | None  # the writer's own figures, for its boot's row (boots.py); None: not counted (an import)
 
     def open(self) -> None: ...  # connect and migrate; Unavailable if it cannot now
@@ -124,7 +125,7 @@ class Backend(Protocol):
     def maintain(self) -> tuple[int, int]: ...  # on its own connection: retention, partitions, compaction, migrations, boots
     # (records a crash lost, newly accounted; rows of an older schema that were no record, dropped)
 
-    def closed(self, clean: bool = True) -> None: ...  # the writer stops: its boot closed (not clean: its last figures)
+    def closed(self, clean: bool = True) -> bool: ...  # the writer stops: its boot closed (not clean: its last figures); False: not written
 
     def close(self) -> None: ...
 
@@ -162,7 +163,8 @@ def open_backend(target: str, max_rows: int = -1, max_age_s: float = 7 * 86400.0
     return SQLiteBackend(target, max_rows, max_age_s, busy_timeout_s, max_models, known_models)
 
 
-from .writer import BATCH, FLUSH_S, RETRY_S, Writer, serialise  # noqa: E402  (the writer needs the nouns above)
+from .codec import serialise  # noqa: E402
+from .writer import BATCH, FLUSH_S, RETRY_S, Writer  # noqa: E402  (the writer needs the nouns above)
 
 __all__ = ["BATCH", "FLUSH_S", "RETRY_S", "Backend", "Filters", "Rejected", "Row", "Skewed", "Unavailable", "Writer",
            "is_postgres", "open_backend", "serialise"]

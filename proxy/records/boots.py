@@ -12,6 +12,15 @@ UPDATE is conditional), and `llmproxy_records_lost_total` counts it. A serving p
 numbered when they are made, before they are handed to its writer process (outbox.py), so a kill -9 of that
 process counts those it still held. Records numbered after the last batch or pass of a writer killed too
 (under a second's worth) are beyond what the store can know.
+
+A serving process and its writer processes (outbox.py) keep one row each, so that whoever dies, each record is
+counted once. The serving process's row (`Serving`, written by its current writer process): records numbered,
+handed over to writer processes (its `written`), dropped by itself; so its loss is what it still held. Each
+writer process (a generation: a new one replaces one that died) has a row of its own boot and pid: what was
+handed to it (its `assigned`), written, dropped; so its loss is what it held and never wrote. The serving
+process knows exactly what it handed a writer process that died and what that one said it dropped
+(`Previous`): the next generation settles the dead one's row with those figures, and where a pass counted it
+lost already (from its last figures), adds what that count missed.
 """
 from __future__ import annotations
 
@@ -26,6 +35,28 @@ STALE_S = 300.0  # a boot elsewhere unseen this long is gone (a replica that can
 
 
 @dataclass(frozen=True)
+class Serving:
+    """A serving process's own figures (outbox.py), for its row: numbered, handed to its writer processes, dropped."""
+
+    boot: str
+    pid: int
+    started_ns: int
+    numbered: int
+    handed: int
+    dropped: int
+
+
+@dataclass(frozen=True)
+class Previous:
+    """The writer process before this one, as its serving process saw it die: what it was handed, what it said it dropped."""
+
+    boot: str
+    pid: int
+    handed: int
+    dropped: int
+
+
+@dataclass(frozen=True)
 class Tally:
     """A writer's own figures, as it hands them to the store."""
 
@@ -36,6 +67,8 @@ class Tally:
     started_ns: int
     assigned: int
     dropped: int
+    serving: Serving | None = None  # a writer process's serving process (its row is written with this one's)
+    previous: Previous | None = None  # the writer process this one replaced, until its row is settled
 
 
 def host() -> str:
@@ -52,14 +85,51 @@ def upsert(dialect: Dialect, tally: Tally, written: int, now_ns: int) -> tuple[s
                                     tally.dropped, now_ns)
 
 
-def close(dialect: Dialect, tally: Tally, now_ns: int, clean: bool = True) -> tuple[str, tuple[Any, ...]]:
-    """The boot's last figures: closed (a clean stop), or left running for the next pass to account (its serving
-    process killed: what was numbered and never handed over is then counted too)."""
-    if not clean:
-        return dialect.sql("UPDATE llmproxy_boots SET assigned = ?, dropped = ?, seen_ns = ? WHERE boot = ? AND state = 'running'"), \
-            (tally.assigned, tally.dropped, now_ns, tally.boot)
-    return dialect.sql("UPDATE llmproxy_boots SET assigned = ?, dropped = ?, seen_ns = ?, state = 'closed' WHERE boot = ?"), \
-        (tally.assigned, tally.dropped, now_ns, tally.boot)
+def seen(conn: Any, dialect: Dialect, tally: Tally, now_ns: int) -> int:
+    """A pass's figures: this writer's row, its serving process's, and the writer process it replaced settled with
+    what its serving process handed it; what that settling found lost beyond a count already made (else 0)."""
+    conn.execute(*upsert(dialect, tally, 0, now_ns))
+    serving = tally.serving
+    if serving is not None:
+        conn.execute(*_absolute(dialect, Tally(serving.boot, tally.instance, tally.host, serving.pid, serving.started_ns, serving.numbered,
+                                               serving.dropped), serving.handed, now_ns))
+    previous = tally.previous
+    if previous is None:
+        return 0
+    row = conn.execute(dialect.sql("SELECT state, lost FROM llmproxy_boots WHERE boot = ?"), (previous.boot,)).fetchone()
+    if row is None:  # (it died before its first batch or pass: the next pass counts it)
+        conn.execute(*_absolute(dialect, Tally(previous.boot, tally.instance, tally.host, previous.pid, tally.started_ns, previous.handed,
+                                               previous.dropped), 0, now_ns))
+        return 0
+    settled = conn.execute(dialect.sql(
+        "UPDATE llmproxy_boots SET assigned = ?, dropped = CASE WHEN dropped > ? THEN dropped ELSE ? END WHERE boot = ? "
+        "AND state IN ('running', 'lost') RETURNING assigned - written - dropped"), (previous.handed, previous.dropped, previous.dropped,
+                                                                                   previous.boot)).fetchone()
+    if row[0] != "lost" or settled is None:
+        return 0
+    missed = max(0, int(settled[0])) - int(row[1])
+    if missed > 0:
+        conn.execute(dialect.sql("UPDATE llmproxy_boots SET lost = lost + ? WHERE boot = ?"), (missed, previous.boot))
+    return max(0, missed)
+
+
+def _absolute(dialect: Dialect, tally: Tally, written: int, now_ns: int) -> tuple[str, tuple[Any, ...]]:
+    """A row written whole (a serving process's: its `written` is what it handed over; a dead writer's)."""
+    statement = ("INSERT INTO llmproxy_boots (boot, instance, host, pid, started_ns, assigned, written, dropped, seen_ns, state) "
+                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 'running') ON CONFLICT (boot) DO UPDATE SET assigned = excluded.assigned, "
+                 "written = excluded.written, dropped = excluded.dropped, seen_ns = excluded.seen_ns "
+                 "WHERE llmproxy_boots.state = 'running'")  # (counted lost already: not counted again)
+    return dialect.sql(statement), (tally.boot, tally.instance, tally.host, tally.pid, tally.started_ns, tally.assigned, written,
+                                    tally.dropped, now_ns)
+
+
+def close(conn: Any, dialect: Dialect, tally: Tally, now_ns: int, clean: bool = True) -> None:
+    """The boot's last figures, its serving process's too: closed (a clean stop), or left running for the next pass to
+    account (its serving process killed: what that one held and never handed over is counted too)."""
+    seen(conn, dialect, tally, now_ns)
+    if clean:
+        for boot in (tally.boot, *((tally.serving.boot,) if tally.serving is not None else ())):
+            conn.execute(dialect.sql("UPDATE llmproxy_boots SET state = 'closed' WHERE boot = ?"), (boot,))
 
 
 def _alive(pid: int) -> bool:

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import threading
 from importlib import resources
+from typing import Any
 
+import orjson
 import zstandard
+
+from ..wire.text import storable
 
 MAGIC = b"\x28\xb5\x2f\xfd"  # a zstd frame
 DICTIONARIES = {0x6C6D0001: "records.zdict"}
@@ -47,3 +51,23 @@ def unpack(blob: bytes) -> bytes:
     if decompressor is None:
         raise ValueError(f"a record compressed with dictionary {dict_id:#x}, which this version does not have")
     return decompressor.decompress(blob)
+
+
+def serialise(record: dict[str, Any]) -> bytes:
+    """A record's JSON; one holding a lone surrogate (that a sink upstream did not catch: orjson refuses it) made
+    storable first. TypeError or ValueError: it cannot be (counted by the caller)."""
+    try:
+        return orjson.dumps(record)
+    except TypeError:  # (orjson.JSONEncodeError)
+        return orjson.dumps(_storable(record))
+
+
+def _storable(value: Any) -> Any:
+    """Every string in a record made storable (text.py), however deep."""
+    if isinstance(value, str):
+        return storable(value, len(value))
+    if isinstance(value, dict):
+        return {storable(str(k), len(str(k))): _storable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_storable(v) for v in value]
+    return value

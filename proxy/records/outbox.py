@@ -1,32 +1,29 @@
 """The serving process's side of its records writer, which runs in a process of its own.
 
-Why a process: what a record costs beyond its JSON (its typed columns, its compression, the store's
-driver encoding the batch, SQLite's own inserting and indexing in-process) held the serving process's
-GIL and CPU: 65 µs a record, 13% fewer short requests a second (bench/store/records_cost.py). Here the
-serving process only names the record, serialises it once (orjson) and queues it; what is queued goes to
-the writer process over a pipe, one message a batch, where a `Writer`
-(records/__init__.py: its bounded buffer, batches, retries, maintenance, boots) does the rest, and reports back
-what the metrics count (written, dropped by reason, errors, records lost by crashes, what it buffers). Reads
-(`recent`, the summaries) go to the store directly, from this process.
+Why a process: what a record costs beyond its JSON (typed columns, compression, the driver encoding the batch,
+SQLite's inserting in-process) held the serving process's GIL and CPU: 65 µs a record, 13% fewer short requests a
+second (bench/store/records_cost.py). Here the serving process names the record, serialises it once (orjson) and
+queues it; the queue goes to the writer process over a pipe, where a `Writer` (records/__init__.py: its bounded
+buffer, batches, retries, maintenance, boots) does the rest and reports back what the metrics count. Reads
+(`recent`, the summaries) go to the store directly, from this process. The queue is bounded in records and in
+bytes (the buffer's caps: the oldest go, counted) and goes in messages of at most `MESSAGE_BYTES`.
 
 When: once `HOLD_RECORDS` are queued (at most one message per `SEND_S` under load), or once the oldest has
 waited `HOLD_S`. Each message wakes the writer process, and at a coding agent's pace (a request every 150 ms)
 a message a record cost more CPU than the rest of the record's way to the store: 0.51 against 0.23 ms a request
-in the writer process (bench/RESULTS.md). What a record waits for is bounded by both: a kill -9 finds at most
-`HOLD_RECORDS` (or `SEND_S` of them, under load) not handed over, and counts them (below).
+in the writer process (bench/RESULTS.md). A kill -9 finds at most `HOLD_RECORDS` (or `SEND_S` of them, under
+load) not handed over, and counts them (below).
 
-Who sends: on the event loop (the finisher adds records there), the loop itself, with a write that never
-waits (`MSG_DONTWAIT`), at once or on a timer. A sender thread woken for
-each message cost more than the record (on this VM a thread's wake-up is 70-160 µs of CPU, against a
-few for the write). The sender thread does the rest: what a full pipe would block on (the loop hands it the
-message, the part not written first), flushes and the close (from other threads), records added off the loop,
-and a dead writer process replaced. One lock keeps their messages whole on the pipe.
+Who sends: on the event loop (the finisher adds records there), the loop itself, with a write that never waits
+(`MSG_DONTWAIT`), at once or on a timer: a sender thread woken for each message cost more than the record (a
+thread's wake-up is 70-160 µs of CPU here). The sender thread does the rest: what a full pipe would block on, more
+than a message, flushes and the close, records added off the loop, and a dead writer process replaced (as soon as
+its pipe ends; never once shutdown began). One lock keeps their messages whole on the pipe.
 
-A kill -9 of the serving process ends the pipe: the writer process writes what it holds (within
-`ORPHAN_S`) and leaves its boot running with its last figures, so that the next maintenance pass anywhere
-counts what the crash lost (boots.py). The records it never handed over are counted too: each is numbered,
-in memory both processes share (`assigned`), when it is made. The writer process dying is noticed by the
-sender: a new one is started, and what the dead one held is counted by its boot.
+Whoever dies, each record is counted once (boots.py): this process's figures (numbered, handed over, dropped) are
+in memory its writer process maps (counts.py) and writes to this process's row; each writer process has a row of
+its own. A kill -9 of this process ends the pipe: the writer process writes what it holds (within generation.ORPHAN_S) and
+leaves both rows running with their last figures, for the next pass anywhere to count.
 """
 from __future__ import annotations
 
@@ -34,19 +31,18 @@ import asyncio
 import collections
 import itertools
 import logging
-import mmap
 import multiprocessing
 import os
-import signal
 import socket
 import struct
 import threading
 import time
-from multiprocessing import reduction
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable
 
-from . import Filters, Row, Writer, open_backend, serialise
+from . import Filters, open_backend, serialise
+from .boots import Previous
+from .generation import DROPPED, HANDED, NUMBERED, Counts, serve
 from .columns import ended_ns
 
 log = logging.getLogger("llmproxy.records")
@@ -55,100 +51,7 @@ SEND_S = 0.01  # under load, at most one message per SEND_S
 HOLD_S = 1.0  # the longest a record waits in the serving process
 HOLD_RECORDS = 64  # a message goes once this many are queued (or the oldest waited HOLD_S)
 FLUSH_S = 2.0  # a flush waits this long at most
-ORPHAN_S = 5.0  # what the writer process may take to write what it holds once the serving process is gone
-
-
-class Count:
-    """How far the serving process has numbered its records, in 8 bytes both processes map (a memfd's page): written
-    by the serving process for each record, read by its writer process for its boot's figures. The memfd's own
-    descriptor is closed once a writer process has it (`handed`), so the mapping's is the only one the serving
-    process keeps: as many as the fork server it replaced (its descriptors are what `--max-connections` is sized
-    from, admission.py). Each writer process started gets a fresh memfd holding the number so far."""
-
-    __slots__ = ("_fd", "_view")
-
-    def __init__(self) -> None:
-        self._fd = -1
-        self._view: memoryview | None = None
-
-    @property
-    def value(self) -> int:
-        view = self._view
-        return int(view[0]) if view is not None else 0
-
-    def set(self, value: int) -> None:
-        view = self._view
-        if view is not None:
-            view[0] = value
-
-    def open(self) -> None:
-        """A fresh memfd holding the number so far, for a writer process about to start. (The old mapping is only let
-        go of: the loop may be writing to it this instant, from another thread.)"""
-        value, fd = self.value, os.memfd_create("llmproxy-records-assigned")
-        os.ftruncate(fd, 8)
-        view = memoryview(mmap.mmap(fd, 8)).cast("q")
-        view[0] = value
-        self.handed()
-        self._fd, self._view = fd, view
-
-    def handed(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return _attached, (reduction.DupFd(self._fd),)  # (its descriptor, passed to the process being started)
-
-
-def _attached(holder: Any) -> Count:
-    """In the writer process: the serving process's count, mapped."""
-    fd = holder.detach()
-    count = Count()
-    count._view = memoryview(mmap.mmap(fd, 8)).cast("q")
-    os.close(fd)
-    return count
-
-
-def _serve(conn: Any, target: str, options: dict[str, Any], instance: str, boot: str, limits: tuple[int, int], assigned: Count) -> None:
-    """The writer process: rows from the pipe into a Writer; what it counts back up the pipe. A signal to the whole
-    process group (Ctrl-C, systemd's KillMode=control-group, `tini -g`) is the serving process's to act on: this one
-    ignores it, and ends when the serving process closes it (or is gone: ORPHAN_S), its buffer written."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    try:
-        os.nice(5)  # (below the serving process: its relay first)
-    except OSError:
-        pass
-    lock = threading.Lock()
-
-    def report(*message: Any) -> None:
-        with lock:
-            try:
-                conn.send(message)
-            except (OSError, ValueError):
-                pass  # (the serving process is gone: what it would have counted, its boot counts)
-
-    writer = Writer(open_backend(target, **options), instance, limits[0], limits[1], lambda: report("error"),
-                    lambda reason, n: report("drop", reason, n), lambda stored, waiting: report("batch", stored, waiting),
-                    on_lost=lambda n: report("lost", n), boot=boot, assigned=lambda: assigned.value,
-                    on_nulled=lambda field, n: report("nulled", field, n))
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):  # the serving process died (kill -9): write what there is, leave the boot running
-            writer.close(ORPHAN_S, clean=False)
-            return
-        kind = message[0]
-        if kind == "rows":
-            for rid, ended, data, seq in message[1]:
-                writer.put(Row(rid, ended, data, seq))
-        elif kind == "flush":
-            writer.flush(message[2])
-            report("flushed", message[1])
-        elif kind == "close":
-            writer.close(message[1])
-            report("closed")
-            return
+MESSAGE_BYTES = 1 << 20  # a message to the writer process holds at most this much (and one record): its pickle, its copy
 
 
 def _drained(queue: collections.deque[Any]) -> list[Any]:
@@ -165,11 +68,13 @@ class Outbox:
 
     def __init__(self, target: str, options: dict[str, Any], instance: str, max_records: int, max_bytes: int, on_error: Callable[[], None],
                  on_drop: Callable[[str, int], None], on_batch: Callable[[int, int], None] | None = None,
-                 on_lost: Callable[[int], None] | None = None, on_nulled: Callable[[str, int], None] | None = None) -> None:
+                 on_lost: Callable[[int], None] | None = None, on_nulled: Callable[[str, int], None] | None = None,
+                 on_maintenance: Callable[[str], None] | None = None) -> None:
         self.backend = open_backend(target, **options)  # (reads only, from this process)
         self.where = self.backend.where
         self.target, self.options, self.instance, self.limits = target, options, instance, (max_records, max_bytes)
         self.on_error, self.on_drop, self.on_batch, self.on_lost, self.on_nulled = on_error, on_drop, on_batch, on_lost, on_nulled
+        self.on_maintenance = on_maintenance
         self.boot = f"{os.getpid()}/{time.time_ns()}"
         self._seq = itertools.count(1)
         self._queue: collections.deque[tuple[str, int, bytes, int]] = collections.deque()
@@ -188,9 +93,18 @@ class Outbox:
         self._due = 0.0  # when it is due (monotonic)
         self._since = 0.0  # when the oldest record queued was added (monotonic)
         self._urgent = False  # the loop handed what is queued to the sender thread: due now
-        # How far this process has numbered its records, in shared memory: what its writer process writes as its boot's
-        # `assigned`, so that records a kill -9 finds queued here are counted (boots.py).
-        self._assigned = Count()
+        # What this process numbered, handed over and dropped, in shared memory: its writer process writes them to this
+        # process's row and its own, so that whoever a kill -9 finds holding records, they are counted once (boots.py).
+        self._counts = Counts()
+        self.started_ns = time.time_ns()
+        self._generation = 0  # writer processes started (each has a row of its own: boot.N)
+        self._base = 0  # records handed over before the current one started
+        self._told_dropped = 0  # records the current one said it dropped
+        self._process: Any = None
+        self._dead = False  # the writer process's pipe ended (its receiver saw it): the sender thread replaces it
+        # What the queue holds in bytes, from three counts each moved by one side only: added (add), taken into messages
+        # (under the wire's lock) and dropped past a cap (add).
+        self._added_bytes = self._taken_bytes = self._dropped_bytes = 0
         self._rest = b""  # a message the loop began to write and the sender thread finishes
         self._socket: socket.socket | None = None  # the pipe's socket, for the loop's writes
         self._start()
@@ -198,6 +112,12 @@ class Outbox:
         self._sender.start()
 
     def _start(self) -> None:
+        previous = None
+        if self._process is not None:  # (the dead writer process's figures, as this process knows them: its row settled)
+            previous = Previous(f"{self.boot}.{self._generation}", self._process.pid or 0, self._counts.get(HANDED) - self._base,
+                                self._told_dropped)
+        self._generation += 1
+        self._base, self._told_dropped = self._counts.get(HANDED), 0
         if self._socket is not None:
             self._socket.close()  # (the dead writer process's)
         # A fresh interpreter (spawn): no thread of this process copied, and this process's path. (A fork server, before,
@@ -205,12 +125,13 @@ class Outbox:
         # each proxy stopped by SIGTERM left its listener's folder in /tmp.)
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe(duplex=True)
-        self._process = context.Process(target=_serve, args=(child, self.target, self.options, self.instance, self.boot, self.limits,
-                                                             self._assigned),
+        self._process = context.Process(target=serve, args=(child, self.target, self.options, self.instance, f"{self.boot}.{self._generation}",
+                                                             self.limits, self._counts, self._base, (self.boot, os.getpid(), self.started_ns),
+                                                             previous),
                                         name="llmproxy-records", daemon=True)  # (not joined at exit; a kill -9 of this one leaves it to finish)
-        self._assigned.open()
+        self._counts.open()
         self._process.start()
-        self._assigned.handed()
+        self._counts.handed_over()
         child.close()
         self._socket = socket.socket(fileno=os.dup(self._conn.fileno()))  # (the loop's writes: MSG_DONTWAIT, the fd stays blocking)
         self._receiver = threading.Thread(target=self._receive, args=(self._conn,), name="llmproxy-records-receive", daemon=True)
@@ -223,14 +144,22 @@ class Outbox:
         try:
             item = (rid, ended_ns(record), serialise(record), seq)
         except (TypeError, ValueError, KeyError):
+            self._counts.set(NUMBERED, seq)
+            self._counts.add(DROPPED, 1)
             self.on_error()
             self.on_drop("rejected", 1)
             return
         queue = self._queue
         queue.append(item)
-        self._assigned.set(seq)
-        if len(queue) > self.limits[0]:  # (a writer process that stopped reading: the oldest go, counted, as in its own buffer)
-            queue.popleft()
+        self._counts.set(NUMBERED, seq)
+        self._added_bytes += len(item[2])
+        # (a writer process that stopped reading: the oldest go past either cap, counted, as in its own buffer)
+        while len(queue) > self.limits[0] or (len(queue) > 1 and self._added_bytes - self._taken_bytes - self._dropped_bytes > self.limits[1]):
+            try:
+                self._dropped_bytes += len(queue.popleft()[2])
+            except IndexError:
+                break
+            self._counts.add(DROPPED, 1)
             self.on_drop("buffer_full", 1)
         try:
             loop = asyncio.get_running_loop()
@@ -261,6 +190,19 @@ class Outbox:
         window = self._last + SEND_S
         return window if queued >= HOLD_RECORDS else max(window, self._since + HOLD_S)
 
+    def _take(self) -> list[Any]:
+        """What is queued, oldest first, up to MESSAGE_BYTES (and one record past): one message's rows."""
+        rows, size, queue = [], 0, self._queue
+        while queue and size < MESSAGE_BYTES:
+            try:
+                row = queue.popleft()
+            except IndexError:  # (add() dropped the oldest meanwhile)
+                break
+            rows.append(row)
+            size += len(row[2])
+        self._taken_bytes += size
+        return rows
+
     def _send_now(self) -> None:
         """On the loop: what is queued, as one message, written without waiting. What the pipe does not take
         at once (it is full: the writer process is behind) goes to the sender thread, which waits for it;
@@ -276,7 +218,7 @@ class Outbox:
             if self._rest or self._stopping:  # (the thread finishes a message first, or closes: it takes these)
                 handed = True
                 return
-            rows = _drained(self._queue)
+            rows = self._take()
             payload = ForkingPickler.dumps(("rows", rows))
             message = struct.pack("!i", len(payload)) + payload  # (multiprocessing's framing: the writer process's recv)
             try:
@@ -289,7 +231,8 @@ class Outbox:
                 handed = True
                 return
             self._last = time.monotonic()
-            if sent < len(message):
+            self._counts.add(HANDED, len(rows))  # (in the pipe, whole or in part: the rest goes to the same process or dies with it)
+            if sent < len(message) or self._queue:  # (the rest of it, or more than a message: the thread's)
                 self._rest = message[sent:]
                 handed = True
         finally:
@@ -314,15 +257,19 @@ class Outbox:
                 stopping = self._stopping
             self._wake.clear()  # (before the queue is drained: a record added from here on sets it again, or is drained now)
             with self._wire:
+                if self._dead and not stopping:
+                    self._replace()
                 rest, self._rest = self._rest, b""
-                rows, flushes = _drained(self._queue), _drained(self._to_send)
+                rows: list[Any] = []
+                flushes = _drained(self._to_send)
                 self._last = time.monotonic()
                 try:
                     if rest:
                         assert self._socket is not None
                         self._socket.sendall(rest)  # (the loop's message, finished first: its rows came before these)
-                    if rows:
+                    while rows := self._take():  # (in messages of MESSAGE_BYTES)
                         self._conn.send(("rows", rows))
+                        self._counts.add(HANDED, len(rows))
                     for token in flushes:
                         self._conn.send(("flush", token, FLUSH_S))
                     if stopping:
@@ -331,17 +278,30 @@ class Outbox:
                 except (OSError, ValueError):
                     if stopping:
                         return
-                    self.on_error()
-                    log.error("the records writer process died: another is started (what it held is counted by its boot's figures)")
-                    self._start()
+                    self._replace()
                     if rows:
                         self._conn.send(("rows", rows))
+                        self._counts.add(HANDED, len(rows))
+                    if self._queue:
+                        self._urgent = True
+                        self._wake.set()
+
+    def _replace(self) -> None:
+        """A writer process that died, replaced (under the wire's lock); what it held is counted by its row (boots.py)."""
+        self.on_error()
+        log.error("the records writer process died (exit code %s): another is started; what it held is counted lost, once",
+                  self._process.exitcode if self._process is not None else None)
+        self._start()
+        self._dead = False  # (after the new pipe is in place: the old one's receiver may have said so meanwhile)
 
     def _receive(self, conn: Any) -> None:
         while True:
             try:
                 message = conn.recv()
-            except (EOFError, OSError):
+            except (EOFError, OSError):  # the writer process is gone: replaced at once, not at the next record
+                if conn is self._conn and not self._stopping:
+                    self._dead = self._urgent = True
+                    self._wake.set()
                 return
             kind = message[0]
             if kind == "batch":
@@ -349,11 +309,15 @@ class Outbox:
                 if self.on_batch is not None:
                     self.on_batch(message[1], message[2])
             elif kind == "drop":
+                if conn is self._conn:
+                    self._told_dropped += message[2]
                 self.on_drop(message[1], message[2])
             elif kind == "error":
                 self.on_error()
             elif kind == "lost" and self.on_lost is not None:
                 self.on_lost(message[1])
+            elif kind == "maintenance" and self.on_maintenance is not None:
+                self.on_maintenance(message[1])
             elif kind == "nulled" and self.on_nulled is not None:
                 self.on_nulled(message[1], message[2])
             elif kind == "flushed":

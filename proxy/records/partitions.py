@@ -5,7 +5,7 @@ wait for it (CREATE TABLE … PARTITION OF would take ACCESS EXCLUSIVE); dropped
 day is older than the age limit, or while the newer days hold the row cap (the planner's counts):
 DETACH … CONCURRENTLY, then DROP. No DELETE, no bloat. A drop interrupted half way is finished at
 the next pass: a detach pending, or a table detached and not dropped (no longer a partition: found
-by its name). Every day is by the store's clock (`now_ns`), never a replica's.
+by its name and the mark the drop put on it first; a day table detached by hand has none, and stays). Every day is by the store's clock (`now_ns`), never a replica's.
 """
 from __future__ import annotations
 
@@ -21,7 +21,10 @@ from .sql import BLOCK_NS, BLOCKS_KEPT_S
 TABLE, ROLLUP, HIST, HIST_BLOCK = "llmproxy_records", "llmproxy_rollup", "llmproxy_hist", "llmproxy_hist_block"
 PARENTS = (TABLE, ROLLUP, HIST, HIST_BLOCK)  # each by the end time of a record, or the start of a block or hour (ns)
 PARTITION_LOCK = 0x6C6D7003  # advisory lock ("lm" p 3): one replica makes a day's partitions
+DROP_LOCK = 0x6C6D7006  # ("lm" p 6): one replica drops expired days (outside the retention lock: drop_all)
+DETACH_WAIT_S = 30.0  # how long a detach may wait for the transactions that might see its day (lock_timeout)
 DAYS_AHEAD = 2
+DROPPING = "llmproxy: expired, being dropped"  # the comment on a day table whose drop began (orphans)
 EPOCH = datetime.date(1970, 1, 1)
 
 
@@ -97,16 +100,34 @@ class Partitions:
 
     @staticmethod
     def orphans(conn: psycopg.Connection[Any]) -> list[str]:
-        """Day tables of ours that are no partition (a drop interrupted after its detach): dropped too."""
+        """Day tables of ours that are no partition and that a drop marked (`DROPPING`) before its detach: that drop,
+        interrupted, finished. A day table detached by hand (an archive) carries no mark and is never touched."""
         pattern = "^(" + "|".join(PARENTS) + r")_[0-9]{8}$"
         return [name for (name,) in conn.execute(
             "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.relkind = 'r' "
-            "AND n.nspname = current_schema() AND c.relname ~ %s AND NOT c.relispartition", (pattern,)).fetchall()]
+            "AND n.nspname = current_schema() AND c.relname ~ %s AND NOT c.relispartition AND obj_description(c.oid, 'pg_class') = %s",
+            (pattern, DROPPING)).fetchall()]
 
     def oldest(self, conn: psycopg.Connection[Any]) -> int:
         """Where the oldest day of records begins (ns): anything counted before it is gone."""
         days = self._partitions(conn, TABLE)
         return days[0][0] * C.DAY_NS if days else 0
+
+    def drop_all(self, conn: psycopg.Connection[Any], names: list[str]) -> None:
+        """Expired days dropped outside the retention lock: DETACH … CONCURRENTLY waits for every transaction that might
+        see its day (a long reader's), and compaction must not wait with it. One replica at a time, each wait at most
+        DETACH_WAIT_S: past it the pass fails (counted, step retention) and a later one finishes the detach."""
+        if not names or not conn.execute("SELECT pg_try_advisory_lock(%s)", (DROP_LOCK,)).fetchone()[0]:  # type: ignore[index]
+            return
+        try:
+            conn.execute(f"SET lock_timeout = {int(DETACH_WAIT_S * 1000)}")
+            for name in names:
+                self.drop(conn, name)
+            for table in ("llmproxy_compacted", "llmproxy_dirty"):  # (what the dropped days' aggregates were)
+                conn.execute(f"DELETE FROM {table} WHERE start < %s", (self.oldest(conn),))
+        finally:
+            conn.execute("RESET lock_timeout")
+            conn.execute("SELECT pg_advisory_unlock(%s)", (DROP_LOCK,))
 
     def drop(self, conn: psycopg.Connection[Any], name: str) -> None:
         """Detached (CONCURRENTLY: readers and writers never wait), then dropped; what a kept block's histograms said
@@ -115,8 +136,9 @@ class Partitions:
         if parent == HIST_BLOCK and (day := _day(name)) is not None:
             conn.execute(f"DELETE FROM llmproxy_compacted WHERE span = {BLOCK_NS} AND start >= %s AND start < %s",
                          (day * C.DAY_NS, (day + 1) * C.DAY_NS))
-        pending = conn.execute("SELECT inhdetachpending FROM pg_inherits WHERE inhrelid = %s::regclass", (name,)).fetchone()
+        pending = conn.execute("SELECT inhdetachpending FROM pg_inherits WHERE inhrelid = to_regclass(%s)", (name,)).fetchone()
         if pending is not None:
+            conn.execute(f"COMMENT ON TABLE {name} IS '{DROPPING}'")  # (expired: the mark that lets a later pass finish the drop)
             conn.execute(f"ALTER TABLE {parent} DETACH PARTITION {name} {'FINALIZE' if pending[0] else 'CONCURRENTLY'}")
         conn.execute(f"DROP TABLE IF EXISTS {name}")
         self.days.discard(_day(name) or -1)

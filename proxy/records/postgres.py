@@ -13,17 +13,13 @@ replica writes to one store; every reader (`explain --db postgresql://…`, `/ll
   index, never by reading the batch's time range, so an import in any order costs what one in order
   does), adds exactly the inserted ones to the aggregates, marks dirty what a compaction already read
   of them (sql.dirty) and moves the writer's boot on (boots.py). `data` is the record compressed (codec.py).
-- Partitions: created `DAYS_AHEAD` days ahead (and for any older day a batch brings) as a plain table
-  then ATTACHed (SHARE UPDATE EXCLUSIVE: writers and readers never wait). Retention drops whole days
-  (DETACH … CONCURRENTLY, DROP) past `--records-max-age`, or the oldest past `--records-max-rows`; one
-  replica at a time (the retention advisory lock), every `RETAIN_EVERY_S`, in its maintenance thread,
-  on a connection of its own. Days, compaction and crash accounting go by the store's clock (`now()`).
+- Partitions (partitions.py): made ahead, dropped whole past `--records-max-age` or `--records-max-rows`; one replica
+  at a time (the retention advisory lock), every `RETAIN_EVERY_S`, in its maintenance thread, on a connection of its
+  own. Days, compaction and crash accounting go by the store's clock (`now()`).
 - Every connection has TCP keepalives, every call a client-side deadline (deadline.py): a silent store costs seconds.
-- Schema: versions and online migrations in migration.py. Schema 1 kept records in the unpartitioned
-  `llmproxy_requests`, which its replicas check as `schema_version` 1: that table is left as it is, so
-  a rolling upgrade's old replicas keep writing to it, and the maintenance pass moves its records in
-  (oldest first, `MOVE_CHUNK` at a time, through the same write path, within `BUDGET_S`) until it is
-  empty; a row it cannot read is dropped and counted. Drop the table once no old replica runs.
+- Schema: versions and online migrations in migration.py. Schema 1's unpartitioned `llmproxy_requests` is left as it
+  is (a rolling upgrade's old replicas write to it); the maintenance pass moves its records in (oldest first,
+  `MOVE_CHUNK` at a time, the same write path, within `BUDGET_S`); a row it cannot read is dropped and counted.
 - The password: the URL, `--records-db-password-file` (re-read at each connect) or libpq's `PGPASSWORD`.
 """
 from __future__ import annotations
@@ -129,6 +125,7 @@ class PostgresBackend:
         self.maint: psycopg.Connection[Any] | None = None  # the maintenance thread's
         self.maint_partitions = Partitions()
         self.tally: Callable[[], boots.Tally] | None = None  # the writer's own figures (records.Writer sets it; an import has none)
+        self.step = "connect"  # the maintenance step under way (a failure is counted as it)
         self._readers: list[psycopg.Connection[Any] | None] = [None, None]
         self._reader_locks = (threading.Lock(), threading.Lock())
         self.watchdog = Watchdog()  # every call's client-side deadline (deadline.py)
@@ -200,6 +197,7 @@ class PostgresBackend:
         try:
             conn = self.maint
             if conn is None or conn.closed:
+                self.step = "connect"
                 conn = self.maint = self._connect()
                 _stage(conn)  # (schema 1's records move in through the same statement)
                 self.maint_partitions = Partitions()
@@ -211,40 +209,42 @@ class PostgresBackend:
             raise Unavailable(_scrubbed(exc, self.url)) from None
 
     def _maintain(self, conn: psycopg.Connection[Any]) -> tuple[int, int]:
+        self.step = "boots"
         now = now_ns(conn)
-        lost = boots.account(conn, A.POSTGRES, now, self.tally().boot if self.tally is not None else "")
-        if self.tally is not None:
-            tally = self.tally()
-            conn.execute(A.POSTGRES.sql("UPDATE llmproxy_boots SET assigned = ?, dropped = ?, seen_ns = ? WHERE boot = ?"),
-                         (tally.assigned, tally.dropped, now, tally.boot))
+        tally = self.tally() if self.tally is not None else None
+        lost = (boots.seen(conn, A.POSTGRES, tally, now) if tally else 0) + boots.account(conn, A.POSTGRES, now, tally.boot if tally else "")
         if not conn.execute("SELECT pg_try_advisory_lock(%s)", (RETAIN_LOCK,)).fetchone()[0]:  # type: ignore[index]
             return lost, 0  # another replica is at it
         try:
-            partitions = self.maint_partitions
+            partitions, self.step = self.maint_partitions, "partitions"
             partitions.ahead(conn, now)
-            for name in partitions.expired(conn, self.max_age_s, self.max_rows, now):
-                partitions.drop(conn, name)
-            for table in ("llmproxy_compacted", "llmproxy_dirty"):  # (what the dropped days' aggregates were)
-                conn.execute(f"DELETE FROM {table} WHERE start < %s", (partitions.oldest(conn),))
-            began = time.monotonic()
+            self.step = "retention"
+            expired = partitions.expired(conn, self.max_age_s, self.max_rows, now)
+            began, self.step = time.monotonic(), "compaction"
             self._compact(conn, budget_s=BUDGET_S)
+            self.step = "migration"
             while time.monotonic() - began < BUDGET_S and self._move(conn):
                 pass
-            finish(conn)
         finally:
             conn.execute("SELECT pg_advisory_unlock(%s)", (RETAIN_LOCK,))
+        self.step = "retention"  # (the waits, a detach's and an index build's, outside the lock: the others compact meanwhile)
+        partitions.drop_all(conn, expired)
+        self.step = "migration"
+        finish(conn)
         bad, self.moved_bad = self.moved_bad, 0
         return lost, bad
 
-    def closed(self, clean: bool = True) -> None:
-        """The writer stops: its boot closed with its last figures, nothing it numbered unaccounted (not `clean`: left
-        running, for a pass to account)."""
-        if self.conn is not None and self.tally is not None:
-            try:
-                with self.watchdog.deadline(self.conn, READ_S):
-                    self.conn.execute(*boots.close(A.POSTGRES, self.tally(), now_ns(self.conn), clean))
-            except psycopg.Error:
-                pass  # (unreachable at the end: its boot is accounted as lost later, with what it could not write)
+    def closed(self, clean: bool = True) -> bool:
+        """The writer stops: its boot closed with its last figures (not `clean`: left running, for a pass to account).
+        False where its row could not be written: what it could not write is then the next pass's to count, as lost."""
+        if self.conn is None or self.tally is None:
+            return self.tally is None
+        try:
+            with self.watchdog.deadline(self.conn, READ_S), self.conn.transaction():
+                boots.close(self.conn, A.POSTGRES, self.tally(), now_ns(self.conn), clean)
+            return True
+        except psycopg.Error:
+            return False
 
     def compact(self, before_ns: int = A.INF_NS) -> int:
         """Every block and hour due (ending before `before_ns`), now: how many (an import's)."""
@@ -350,7 +350,7 @@ class PostgresBackend:
     def _read_window(self, conn: psycopg.Connection[Any], by: tuple[str, ...], window: A.Window) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
         """The sums here; the parts of the histograms (the records' edges, the compacted blocks) split
         between this connection and a second one, at once: the server counts on both cores."""
-        clean = conn.execute(A.POSTGRES.sql(A.CLEAN), (window.first_block, A.kept_from(time.time_ns()))).fetchall()
+        clean = conn.execute(A.POSTGRES.sql(A.CLEAN), (window.first_block, A.kept_from(now_ns(conn), by_day=True))).fetchall()
         (sums, sargs), *parts = A.queries(A.POSTGRES, by, window, A.halved(A.plan(window, clean), time.time_ns()))
         with self._reading(second=True) as other:
             def run(chunk: list[tuple[str, list[Any]]]) -> list[tuple[Any, ...]]:

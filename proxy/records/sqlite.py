@@ -129,6 +129,7 @@ class SQLiteBackend:
         self.maint: sqlite3.Connection | None = None  # the maintenance thread's
         self.moved_bad = 0  # schema 1's rows that were no record (dropped while moving them in: the writer counts them)
         self.tally: Callable[[], boots.Tally] | None = None  # the writer's own figures (records.Writer sets it; an import has none)
+        self.step = "connect"  # the maintenance step under way (a failure is counted as it)
 
     def open(self) -> None:
         try:
@@ -183,17 +184,15 @@ class SQLiteBackend:
         this writer's boot seen, the boots of writers gone accounted. (What they lost; schema 1's rows that
         were no record.) Each step its own short transaction: the writer waits for none of them long."""
         try:
-            db = self.maint
+            db, self.step = self.maint, "connect"
             if db is None:
                 db = self.maint = connect(self.path, self.busy_timeout_s)
-            now = time.time_ns()  # (one machine, one clock)
+            now, self.step = time.time_ns(), "boots"  # (one machine, one clock)
             with db:
                 db.execute("BEGIN IMMEDIATE")
-                lost = boots.account(db, A.SQLITE, now, self.tally().boot if self.tally is not None else "")
-                if self.tally is not None:
-                    tally = self.tally()
-                    db.execute("UPDATE llmproxy_boots SET assigned = ?, dropped = ?, seen_ns = ? WHERE boot = ?",
-                               (tally.assigned, tally.dropped, now, tally.boot))
+                tally = self.tally() if self.tally is not None else None
+                lost = (boots.seen(db, A.SQLITE, tally, now) if tally else 0) + boots.account(db, A.SQLITE, now, tally.boot if tally else "")
+            self.step = "retention"
             with db:
                 db.execute("BEGIN IMMEDIATE")
                 if self.max_age_s > 0:
@@ -208,8 +207,9 @@ class SQLiteBackend:
                     # Ids are max(id) + 1 and deletes only take the oldest, so the newest max_rows are
                     # those above max(id) - max_rows, found in the index at once.
                     db.execute("DELETE FROM llmproxy_records WHERE id <= (SELECT max(id) FROM llmproxy_records) - ?", (self.max_rows,))
-            began = time.monotonic()
+            began, self.step = time.monotonic(), "compaction"
             self._compact(db, budget_s=BUDGET_S)
+            self.step = "migration"
             while time.monotonic() - began < BUDGET_S and _legacy(db) and self._move(db):
                 pass
             bad, self.moved_bad = self.moved_bad, 0
@@ -220,15 +220,18 @@ class SQLiteBackend:
                 self.maint = None
             raise Unavailable(str(exc)) from None
 
-    def closed(self, clean: bool = True) -> None:
-        """The writer stops: its boot closed with its last figures (not `clean`: left running, for a pass to account)."""
-        if self.db is not None and self.tally is not None:
-            try:
-                with self.db:
-                    self.db.execute("BEGIN IMMEDIATE")
-                    self.db.execute(*boots.close(A.SQLITE, self.tally(), time.time_ns(), clean))
-            except sqlite3.Error:
-                pass  # (its boot is accounted as lost later, with what it could not write)
+    def closed(self, clean: bool = True) -> bool:
+        """The writer stops: its boot closed with its last figures (not `clean`: left running, for a pass to account).
+        False where its row could not be written: what it could not write is then the next pass's to count, as lost."""
+        if self.db is None or self.tally is None:
+            return self.tally is None
+        try:
+            with self.db:
+                self.db.execute("BEGIN IMMEDIATE")
+                boots.close(self.db, A.SQLITE, self.tally(), time.time_ns(), clean)
+            return True
+        except sqlite3.Error:
+            return False
 
     def compact(self, before_ns: int = A.INF_NS) -> int:
         """Every block and hour due (ending before `before_ns`), now: how many (an import's)."""

@@ -19,9 +19,9 @@ from typing import Any, Callable
 import orjson
 
 from ..wire.chunk import json_object
-from ..wire.text import storable
 from . import Backend, Filters, Rejected, Row, Skewed, Unavailable
-from .boots import Tally, host
+from .boots import Previous, Serving, Tally, host
+from .codec import serialise
 from .columns import ended_ns, skew
 
 log = logging.getLogger("llmproxy.records")
@@ -37,18 +37,19 @@ class Writer:
     def __init__(self, backend: Backend, instance: str, max_records: int, max_bytes: int, on_error: Callable[[], None],
                  on_drop: Callable[[str, int], None], on_batch: Callable[[int, int], None] | None = None, batch: int = BATCH,
                  retain: bool = True, on_lost: Callable[[int], None] | None = None, boot: str = "",
-                 assigned: Callable[[], int] | None = None, on_nulled: Callable[[str, int], None] | None = None) -> None:
-        """`on_drop(reason, count)`; `on_batch(written, buffered)` after each batch (the metrics);
-        `batch`: rows per transaction at most; without `retain`, no maintenance pass and no boot of its own
-        (an import, which compacts once at its end); `on_lost(count)`: records crashed writers lost, as this
-        writer's maintenance accounts them (boots.py); `boot`: the numbering its records' ids carry (outbox.py: the
-        serving process's), else its own; `assigned`: how far that numbering has gone, records not handed over yet
-        included (outbox.py: the serving process's count, in shared memory), else the newest added; `on_nulled(field,
-        count)`: figures of records the store's columns could not hold, set to null (the records kept: columns.check)."""
-        self.backend, self.instance = backend, instance
-        self.on_nulled = on_nulled
+                 assigned: Callable[[], int] | None = None, on_nulled: Callable[[str, int], None] | None = None,
+                 serving: Callable[[], Serving] | None = None, previous: Previous | None = None,
+                 on_maintenance: Callable[[str], None] | None = None) -> None:
+        """`on_drop(reason, count)`; `on_batch(written, buffered)` after each batch (the metrics); `batch`: rows per
+        transaction at most; without `retain`, no maintenance pass and no boot (an import: it compacts once at its end);
+        `on_lost(count)`: records crashed writers lost, as its maintenance accounts them (boots.py); `boot`: its row's
+        name (outbox.py: the writer process's), else its own, which its records' ids carry; `assigned`: records handed
+        to it (outbox.py: shared memory), else the newest added; `serving`, `previous`: the serving process's figures
+        and the writer process this one replaced (boots.py); `on_nulled(field, count)`: figures the store's columns
+        could not hold, set to null (columns.check); `on_maintenance(step)`: a failed maintenance pass."""
+        self.backend, self.instance, self.on_nulled = backend, instance, on_nulled
         self.max_records, self.max_bytes = max(1, max_records), max(1, max_bytes)
-        self.on_error, self.on_drop, self.on_batch, self.on_lost = on_error, on_drop, on_batch, on_lost
+        self.on_error, self.on_drop, self.on_batch, self.on_lost, self.on_maintenance = on_error, on_drop, on_batch, on_lost, on_maintenance
         self.batch = max(1, batch)
         self.retain_every_s = backend.retain_every_s if retain else math.inf
         self.written = 0
@@ -60,7 +61,7 @@ class Writer:
         self._in_flight: list[Row] = []
         self._seq = itertools.count(1)
         self._last = 0  # the newest seq added
-        self._assigned = assigned
+        self._assigned, self._serving, self._previous, self._seen = assigned, serving, previous, False  # (_seen: a pass wrote its row)
         self._boot = boot or f"{os.getpid()}/{time.time_ns()}"
         self._urgent = False  # a flush is waiting: write now, do not wait for a fuller batch
         self._stopping = False
@@ -81,8 +82,9 @@ class Writer:
 
     def tally(self) -> Tally:
         """This writer's figures now, for its boot's row."""
-        assigned = self._last if self._assigned is None else max(self._last, self._assigned())
-        return Tally(self._boot, self.instance, host(), os.getpid(), self.started_ns, assigned, self.dropped)
+        assigned = self._last if self._assigned is None else self._assigned()
+        return Tally(self._boot, self.instance, host(), os.getpid(), self.started_ns, assigned, self.dropped,
+                     self._serving() if self._serving is not None else None, self._previous)
 
     def _drop(self, reason: str, count: int) -> None:
         self.dropped += count
@@ -111,11 +113,10 @@ class Writer:
 
     @staticmethod
     def row(line: bytes, seq: int = 0, now_ns: int = 0, max_age_s: float = 0.0) -> Row:
-        """An exported record's row: it keeps its own `id` (one without is named by its content, so a
-        second import skips it too) and its own end time. Read as leniently as the proxy reads a request
-        (NaN, an infinity, a huge integer: chunk.lenient), its figures then checked (the store's columns
-        hold what is left: columns.check). Rejected: not a record; Skewed: its end outside the store's
-        window (`now_ns`, `max_age_s`: columns.skew; `now_ns` 0: not checked)."""
+        """An exported record's row: it keeps its own `id` (one without is named by its content, so a second import
+        skips it too) and its own end time. Read as leniently as the proxy reads a request (chunk.lenient), its figures
+        then checked (columns.check). Rejected: not a record; Skewed: its end outside the store's window (`now_ns`,
+        `max_age_s`: columns.skew; `now_ns` 0: not checked)."""
         record = json_object(line)
         try:
             if record is None:
@@ -344,6 +345,7 @@ class Writer:
                 continue
             try:
                 lost, unreadable = self.backend.maintain()
+                self._previous, self._seen = None, True  # (its row written, the one before settled)
                 if lost and self.on_lost is not None:
                     self.on_lost(lost)
                 if lost:
@@ -351,43 +353,28 @@ class Writer:
                               "llmproxy_records_lost_total, and in the store's llmproxy_boots", lost)
                 if unreadable:
                     self._refused(unreadable, ValueError("rows of an older schema that are no record"))
-            except Unavailable:
-                pass  # (the writer sees it too, and says so)
-            except Exception as exc:  # noqa: BLE001 - a bug, or a row it cannot read: it goes on, the writes too
-                self.on_error()
-                self._say(exc, f"retention, compaction or migrating {self.backend.where} failed (tried again later)")
+            except Exception as exc:  # noqa: BLE001 - unreachable, a bug, a row it cannot read: it goes on, the writes too
+                step = self.backend.step
+                if self.on_maintenance is not None:
+                    self.on_maintenance(step)
+                if not isinstance(exc, Unavailable):
+                    self.on_error()
+                self._say(exc, f"the records store's maintenance ({step}) on {self.backend.where} failed (tried again at the next pass; "
+                               "counted in llmproxy_records_maintenance_errors_total)")
 
     def _end(self) -> None:
         if self._upkeep is not None:
             self._upkeep.join(10.0)
-        if self.connected:
-            self.backend.closed(self._clean)  # (not clean: its last figures, the boot left running for a pass to account)
+        recorded = self.connected and self.backend.closed(self._clean)  # (not clean: its last figures, left running for a pass)
         with self._cond:
             left = len(self._buffer) + len(self._in_flight)
             self._buffer.clear()
             self._bytes = 0
             self._cond.notify_all()
-        if left:
-            self._drop("shutdown", left)
-            log.error("%d records were not written to %s before the shutdown deadline (dropped, counted)", left, self.backend.where)
+        open_row = self.backend.tally is not None and (self.written > 0 or self._seen) and not (recorded and self._clean)
+        if left:  # (its row left open in the store: the next pass there counts them lost, once; else they are counted here)
+            if not open_row:
+                self._drop("shutdown", left)
+            log.error("%d records were not written to %s before the shutdown deadline (%s)", left, self.backend.where,
+                      "counted lost by the next pass on the store: this writer's row is left open" if open_row else "dropped, counted")
         self.backend.close()
-
-
-def serialise(record: dict[str, Any]) -> bytes:
-    """A record's JSON; one holding a lone surrogate (that a sink upstream did not catch: orjson refuses it) made
-    storable first. TypeError or ValueError: it cannot be (counted by the caller)."""
-    try:
-        return orjson.dumps(record)
-    except TypeError:  # (orjson.JSONEncodeError)
-        return orjson.dumps(_storable(record))
-
-
-def _storable(value: Any) -> Any:
-    """Every string in a record made storable (text.py), however deep."""
-    if isinstance(value, str):
-        return storable(value, len(value))
-    if isinstance(value, dict):
-        return {storable(str(k), len(str(k))): _storable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_storable(v) for v in value]
-    return value

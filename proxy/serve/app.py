@@ -242,7 +242,8 @@ class ProxyApp:
         lost = self.metrics.child("llmproxy_records_lost")
         return Outbox(target, options, s.instance_name, s.records_buffer, s.records_buffer_bytes, lambda: self.telemetry.count_error("records"),
                       self.metrics.records_dropped, on_batch, on_lost=lost.inc,
-                      on_nulled=lambda field, n: self.metrics.child("llmproxy_records_nulled", field).inc(n))
+                      on_nulled=lambda field, n: self.metrics.child("llmproxy_records_nulled", field).inc(n),
+                      on_maintenance=lambda step: self.metrics.child("llmproxy_records_maintenance_errors", step).inc())
 
     def _sample(self) -> None:
         """The gauges read off the process (open descriptors, bytes read ahead of slow clients, the

@@ -562,6 +562,8 @@ def test_a_records_process_killed_alone_loses_what_it_held_counted_once_by_whoev
         assert stored() + lost() == 150, (stored(), lost())
         assert clean.query("SELECT sum(lost) FROM llmproxy_boots WHERE instance = 'alone'")[0][0] == lost() > 0
         counted = lost()
+        print(f"\nstored {stored()}, lost {counted:.0f} (counted by this proxy {scraped(url, 'llmproxy_records_lost_total'):.0f}, "
+              f"by the other {scraped(url2, 'llmproxy_records_lost_total'):.0f})")
         time.sleep(2 * 5.0 + 1.0)  # (two maintenance passes of each proxy: RETAIN_EVERY_S)
         assert lost() == counted and stored() + counted == 150
         assert clean.query("SELECT sum(lost) FROM llmproxy_boots WHERE instance = 'alone'")[0][0] == counted

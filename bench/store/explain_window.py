@@ -66,6 +66,9 @@ def main() -> int:
                 for name, (build_env, cwd) in builds.items():
                     command = [sys.executable, "-m", "proxy", "explain", "--db", pg.dsn, "--since", since, "--json"]
                     runs.setdefault((since, name), []).append(timed(command, build_env, cwd))
+        first = (time.time_ns() - 86400 * 10**9) // (600 * 10**9) * 600
+        print(f"the 24-hour window's first block began at {time.strftime('%H:%M', time.gmtime(first))} UTC (at minutes 0-9 of an hour it is "
+              "an hour's first block, and every build reads it from the hours)\n")
         rows = [[f"explain --since {since}", name, f"{statistics.median(t for t, _ in r):.2f} s", f"{max(t for t, _ in r):.2f} s",
                  f"{max(m for _, m in r):.0f} MB"] for (since, name), r in runs.items()]
         print(common.table(["what", "build", "median", "worst", "peak RSS"], rows))

@@ -96,7 +96,7 @@ def arrived_ns(sock: Any, now: int) -> int:
 
 class TickPhase:
     """Measures PHASE_NS in a daemon thread: a few coarse steps every `every_s`, each caught by polling every 50 µs
-    from just before it is due (some ten wakes a step, well under a millisecond of CPU a minute)."""
+    from just before it is due: 0.3 ms of CPU and 20 ms of wall time a measurement here, 30 µs of CPU a second."""
 
     def __init__(self, every_s: float = 10.0) -> None:
         self.every_s = every_s
@@ -104,7 +104,7 @@ class TickPhase:
         self._worker: threading.Thread | None = None
 
     def measure(self) -> int | None:
-        """The median, over STEPS coarse steps, of the fine clock less the new coarse value at the first poll
+        """The median, over _STEPS coarse steps, of the fine clock less the new coarse value at the first poll
         after the step; None when the kernel keeps no coarse ticks or a step never came in time."""
         if not TICK_NS:
             return None

@@ -2,9 +2,10 @@
 its serving process.
 
 `serve` is its life: rows from the pipe into a `Writer`, what it counts back up the pipe. `Counts` is what the
-serving process has done with its records, in memory the writer process maps (boots.py): three figures, 8 bytes each, in a memfd's page: records numbered (set for each record made), handed to writer
-processes (moved on as each message goes into the pipe) and dropped by the serving process itself (its queue
-full, a record it could not serialise). The writer process reads them for the serving process's row and its own,
+serving process has done with its records, in memory the writer process maps (boots.py): three figures, 8 bytes
+each, in a memfd's page: records numbered (set for each record made), handed to writer processes (moved on as each
+message goes into the pipe) and dropped by the serving process itself (its queue full, a record it could not
+serialise). The writer process reads them for the serving process's row and its own,
 and after a kill -9 of the serving process still can: the figures outlive it.
 """
 from __future__ import annotations

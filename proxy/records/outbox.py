@@ -21,9 +21,9 @@ than a message, flushes and the close, records added off the loop, and a dead wr
 its pipe ends; never once shutdown began). One lock keeps their messages whole on the pipe.
 
 Whoever dies, each record is counted once (boots.py): this process's figures (numbered, handed over, dropped) are
-in memory its writer process maps (counts.py) and writes to this process's row; each writer process has a row of
-its own. A kill -9 of this process ends the pipe: the writer process writes what it holds (within generation.ORPHAN_S) and
-leaves both rows running with their last figures, for the next pass anywhere to count.
+in memory its writer process maps (generation.Counts) and writes to this process's row; each writer process has a row of
+its own. A kill -9 of this process ends the pipe: the writer process writes what it holds (within
+generation.ORPHAN_S) and leaves both rows running with their last figures, for the next pass anywhere to count.
 """
 from __future__ import annotations
 
@@ -98,6 +98,7 @@ class Outbox:
         self._counts = Counts()
         self.started_ns = time.time_ns()
         self._generation = 0  # writer processes started (each has a row of its own: boot.N)
+        self._writer_boot = ""
         self._base = 0  # records handed over before the current one started
         self._told_dropped = 0  # records the current one said it dropped
         self._process: Any = None
@@ -114,9 +115,9 @@ class Outbox:
     def _start(self) -> None:
         previous = None
         if self._process is not None:  # (the dead writer process's figures, as this process knows them: its row settled)
-            previous = Previous(f"{self.boot}.{self._generation}", self._process.pid or 0, self._counts.get(HANDED) - self._base,
-                                self._told_dropped)
+            previous = Previous(self._writer_boot, self._process.pid or 0, self._counts.get(HANDED) - self._base, self._told_dropped)
         self._generation += 1
+        self._writer_boot = f"{self.boot}.{self._generation}"  # (its row's name)
         self._base, self._told_dropped = self._counts.get(HANDED), 0
         if self._socket is not None:
             self._socket.close()  # (the dead writer process's)
@@ -125,7 +126,7 @@ class Outbox:
         # each proxy stopped by SIGTERM left its listener's folder in /tmp.)
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe(duplex=True)
-        self._process = context.Process(target=serve, args=(child, self.target, self.options, self.instance, f"{self.boot}.{self._generation}",
+        self._process = context.Process(target=serve, args=(child, self.target, self.options, self.instance, self._writer_boot,
                                                              self.limits, self._counts, self._base, (self.boot, os.getpid(), self.started_ns),
                                                              previous),
                                         name="llmproxy-records", daemon=True)  # (not joined at exit; a kill -9 of this one leaves it to finish)
@@ -141,17 +142,16 @@ class Outbox:
         """The only call on the request side: name the record (its stable `id`), serialise it, queue it."""
         seq = next(self._seq)
         record["id"] = rid = f"{self.instance}/{self.boot}/{seq}"
+        self._counts.set(NUMBERED, seq)
         try:
             item = (rid, ended_ns(record), serialise(record), seq)
         except (TypeError, ValueError, KeyError):
-            self._counts.set(NUMBERED, seq)
             self._counts.add(DROPPED, 1)
             self.on_error()
             self.on_drop("rejected", 1)
             return
         queue = self._queue
         queue.append(item)
-        self._counts.set(NUMBERED, seq)
         self._added_bytes += len(item[2])
         # (a writer process that stopped reading: the oldest go past either cap, counted, as in its own buffer)
         while len(queue) > self.limits[0] or (len(queue) > 1 and self._added_bytes - self._taken_bytes - self._dropped_bytes > self.limits[1]):

@@ -6,6 +6,7 @@ import shutil
 import os
 import resource
 import socket
+import struct
 import subprocess
 import tempfile
 import sys
@@ -288,13 +289,17 @@ TENANTED = ("llmproxy_requests_total", "llmproxy_time_to_first_token_seconds", "
 class RawUpstream:
     """A real HTTP/1.1 upstream on loopback that answers every request with given bytes: each write
     as its own chunk, `gap_s` apart (recorded streams, compressed or hostile ones). `close`: the
-    connection drops before the last chunk (a truncated stream). The requests it saw are kept."""
+    connection drops before the last chunk (a truncated stream). `then`: the answer says nothing of
+    closing, but the connection is closed as the next request on it arrives, unanswered, with a FIN
+    ("fin") or a reset ("reset"): llama.cpp's way after a stream, its close caught mid-flight. The
+    requests it saw are kept."""
 
     def __init__(self, writes: list[bytes], gap_s: float = 0.0, close: bool = False, headers: list[tuple[str, str]] | None = None,
-                 content_type: str = "text/event-stream", chunked: bool = True, status: int = 200) -> None:
-        self.writes, self.gap_s, self.close, self.chunked, self.status = writes, gap_s, close, chunked, status
+                 content_type: str = "text/event-stream", chunked: bool = True, status: int = 200, then: str = "") -> None:
+        self.writes, self.gap_s, self.close, self.chunked, self.status, self.then = writes, gap_s, close, chunked, status, then
         self.headers = [("content-type", content_type), *(headers or [])]
         self.requests: list[dict[str, str]] = []
+        self.accepted = 0  # connections
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}/v1"
         threading.Thread(target=self._accept, daemon=True).start()
@@ -305,6 +310,7 @@ class RawUpstream:
                 conn, _ = self.listener.accept()
             except OSError:
                 return
+            self.accepted += 1
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
@@ -323,7 +329,8 @@ class RawUpstream:
                 rest += conn.recv(65536)
             self.requests.append({"request-line": lines[0], **fields})
             framing = [("transfer-encoding", "chunked")] if self.chunked else [("content-length", str(sum(map(len, self.writes))))]
-            response = f"HTTP/1.1 {self.status} OK\r\n" + "".join(f"{k}: {v}\r\n" for k, v in self.headers + framing) + "connection: close\r\n\r\n"
+            closing = "" if self.then else "connection: close\r\n"
+            response = f"HTTP/1.1 {self.status} OK\r\n" + "".join(f"{k}: {v}\r\n" for k, v in self.headers + framing) + closing + "\r\n"
             try:
                 conn.sendall(response.encode())
                 for index, write in enumerate(self.writes):
@@ -334,6 +341,14 @@ class RawUpstream:
                         return
                 if self.chunked:
                     conn.sendall(b"0\r\n\r\n")
+                if self.then and conn.recv(65536):  # the next request came: it is not answered
+                    if self.then == "reset":
+                        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                        return
+                    conn.shutdown(socket.SHUT_WR)
+                    conn.settimeout(5)
+                    while conn.recv(65536):  # (read to the peer's close: nothing left unread, so no reset)
+                        pass
             except OSError:
                 return
 

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from servers import scraped
+from servers import raw_upstream, scraped
 from proxy.upstream.limits import RESERVE
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -153,3 +153,26 @@ def test_a_pooled_connections_rtt_is_read_on_its_first_request_then_once_a_secon
     assert len(reads) == 2  # the first request's, and the third's (the reading then a second old); not the second's
     assert first.rtt_s == reads[0] and first.rtt_s is not None and 0 < first.rtt_s < 0.01
     assert second.rtt_s == reads[0] and third.rtt_s == reads[1]
+
+
+@pytest.mark.parametrize("close", ["fin", "reset"])
+def test_a_pooled_connection_closed_under_the_request_is_sent_again_once(proxy_factory, close):
+    """llama.cpp closes every connection after a stream while its answer says keep-alive, and its FIN
+    can trail the stream's end (a CI run's 502 on /v1/responses). An upstream that closes a kept
+    connection exactly as the next request arrives, unanswered: each request still gets its answer,
+    on one new connection each, counted as reused="stale"; the lost try is booked as network."""
+    chunk = b'data: {"id":"c","object":"chat.completion.chunk","model":"m","choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
+    with raw_upstream([chunk, b"data: [DONE]\n\n"], then=close) as up:
+        proxy = proxy_factory(upstream=up.url)
+        client = openai.OpenAI(base_url=proxy.v1, api_key="k", max_retries=0)
+        for _ in range(4):
+            got = [c.choices[0].delta.content for c in client.chat.completions.create(model="m", messages=MSG, stream=True)]
+            assert got == ["hi"]
+        records = proxy.wait_records(4)
+    label = proxy.settings.upstream_label
+    assert len(up.requests) == 4 and up.accepted == 4  # each answered once; one new connection per closed one
+    assert proxy.sample("llmproxy_upstream_connections_total", {"upstream": label, "reused": "stale"}) == 3
+    assert proxy.sample("llmproxy_upstream_connections_total", {"upstream": label, "reused": "false"}) == 1
+    assert proxy.sample("llmproxy_upstream_connections_total", {"upstream": label, "reused": "true"}) is None
+    assert all(r["outcome"] == "ok" for r in records)
+    assert [r["reused_connection"] for r in records] == [False] * 4

@@ -94,7 +94,7 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("llmproxy_prefix_predicted_tokens", "counter", "Prompt tokens the replica's prefix index predicted it had cached (pick: predicted_ttft; the prompts sent to it, prefix.py), on the requests whose engine reported its cached tokens; beside llmproxy_prefix_reported_tokens_total: how right the index is.", ("upstream",)),
     MetricDef("llmproxy_prefix_reported_tokens", "counter", "Prompt tokens the engine reported cached (prompt_tokens_details.cached_tokens, cache_read_input_tokens, llama.cpp's cache_n) on the requests its prefix index made a prediction for: what llmproxy_prefix_predicted_tokens_total is checked against.", ("upstream",)),
     MetricDef("llmproxy_prefix_strays", "counter", "Turns of a conversation this proxy had not seen on their replica (another proxy's, or from before a restart) that the engine then reported none of cached: prefilled whole. The proxy looks for such a conversation on the two replicas its key ranks first (prefix.py, picker.py); a steady rate means proxies disagree on where conversations live (docs/deployment.md).", ("upstream",)),
-    MetricDef("llmproxy_upstream_connections", "counter", "Upstream requests by whether they reused a pooled connection.", ("upstream", "reused")),
+    MetricDef("llmproxy_upstream_connections", "counter", "Upstream requests by whether they reused a pooled connection: true, false (a new one), stale (a pooled one the upstream closed as the request went out, not a byte of an answer on it: the request went again on a new one).", ("upstream", "reused")),
     MetricDef("llmproxy_upstream_pool_connections", "gauge", "Connections of the proxy's own pool to each upstream now, by state: in_use (lent to a request) or idle (kept for reuse); over llmproxy_upstream_pool_limit, how full the pool is (read at each scrape; with workers, each worker's every second).", ("upstream", "state")),
     MetricDef("llmproxy_upstream_pool_limit", "gauge", "The size of the proxy's pool per upstream, summed over worker processes: --max-connections, else --max-in-flight, else the streams the open files limit holds.", ("upstream",)),
     MetricDef("llmproxy_upstream_pool_waits", "counter", "Requests that found the upstream's pool full, by result: waited (they got a connection within --pool-timeout; that wait is the phase `wait`, the proxy's own) or refused (503 proxy_overloaded, reason pool). Any at all: the proxy's own pool is the bottleneck, not the network or the engine.", ("upstream", "result")),
@@ -221,7 +221,7 @@ class ProxyMetrics:
         if t.rtt_s is not None:
             series.observe("llmproxy_upstream_rtt_seconds")(t.rtt_s)
         if t.reused is not None:
-            series.observe("llmproxy_upstream_connections", "true" if t.reused else "false")(1)
+            series.observe("llmproxy_upstream_connections", "true" if t.reused else "stale" if t.stale else "false")(1)
         if t.tokenize_prompt_s is not None:
             child("llmproxy_tokenize_seconds", model, "prompt").observe(t.tokenize_prompt_s)
         if t.tokenize_completion_s is not None:

@@ -151,6 +151,8 @@ class RequestTiming:
     client_blocked: list[tuple[int, int]] = field(default_factory=list)
     held_s: float = 0.0
 
+    stale: bool = False  # the pooled connection was closed under the request: it went again on a new one (pool.py)
+
     @property
     def reused(self) -> bool | None:
         """True when the request went out on a pooled connection (no connect event fired)."""
@@ -163,6 +165,7 @@ class RequestTiming:
         self.issued_ns = self.first_event_ns = self.headers_ns = self.send_start_ns = self.sent_ns = None
         self.dns_start_ns = self.dns_end_ns = self.tcp_start_ns = self.tcp_end_ns = self.tcp_seen_ns = self.tls_start_ns = self.tls_end_ns = None
         self.first_seen_ns = None
+        self.stale = False
         self.proxy_start_ns = self.proxy_end_ns = None
         self.rtt_s = None
 
@@ -239,6 +242,8 @@ def split(t: RequestTiming) -> Breakdown:
     upload = _s(t.send_start_ns, t.sent_ns) or 0.0
     wait = pool_wait or 0.0
     network = sum(connect.values()) + upload + (rtt if t.headers_ns is not None else 0.0)
+    if t.stale:  # the request first went out on a pooled connection the upstream had closed: that try was the network's
+        network += _s(t.first_event_ns, t.dns_start_ns if t.dns_start_ns is not None else t.tcp_start_ns) or 0.0
     lag_connect = _s(t.tcp_end_ns, t.tcp_seen_ns) or 0.0  # the connection was made; the loop saw it later
 
     gaps: list[float] = []

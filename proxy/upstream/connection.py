@@ -126,7 +126,8 @@ class Connection(asyncio.Protocol):
             self._end_ns = now_ns()
         if not self.complete and self.error is None:
             detail = f": {exc}" if exc else ""
-            self.error = (ReadError if exc else RemoteProtocolError)(f"the upstream closed the connection mid-response{detail}")
+            where = "mid-response" if self.headers_done else "before answering"
+            self.error = (ReadError if exc else RemoteProtocolError)(f"the upstream closed the connection {where}{detail}")
         self._wake()
         self.resume_writing()  # a sender waiting to drain sees `closed`
 

@@ -15,6 +15,12 @@ none lingers in CLOSE-WAIT; one idle for `--keepalive-expiry` seconds is closed 
 burst's connections do not pin descriptors against an upstream that never closes idle ones. The
 idle list is LIFO (reuse the warmest), so its bottom holds the oldest: the sweep is one timer, set
 for the oldest connection's expiry, that pops expired ones off the bottom. Nothing is done per chunk.
+A pooled connection can still be closed by the upstream while our request is on its way (its FIN or
+reset not yet read; llama.cpp closes every connection after a stream, whatever its keep-alive
+header says): when not a byte of an answer came back on it, the request is sent once more on a new
+connection (`stale`, counted as llmproxy_upstream_connections_total{reused="stale"}), never twice. A
+server that took the request and died without a byte would see it twice; its new connection is then
+refused, which is the answer the client gets.
 """
 from __future__ import annotations
 
@@ -25,7 +31,8 @@ import ssl
 from typing import Any, Awaitable, Callable
 
 from ..config import Settings
-from ..errors import ConnectError, ConnectTimeout, EgressError, ProxyOverloaded, TransportError, WriteTimeout
+from ..errors import (ConnectError, ConnectTimeout, EgressError, ProxyOverloaded, ReadError, RemoteProtocolError, TransportError,
+                      WriteError, WriteTimeout)
 from ..measure import arrival
 from ..measure.arrival import socket_rtt_s
 from ..measure.timing import RequestTiming, now_ns
@@ -126,22 +133,36 @@ class Pool:
             await self._slots.acquire()
         self.in_use += 1
         connection = None
+        if self.absolute and self.egress is not None and self.egress.authorization:
+            headers = [*headers, (b"proxy-authorization", self.egress.authorization)]
+        head = _head(method, target, headers)
         try:
             connection = self._checkout()
             timing.first_event_ns = now_ns()
-            if connection is None:
-                connection = await self._connect(timing)
-            timing.send_start_ns = now_ns()
-            if self.absolute and self.egress is not None and self.egress.authorization:
-                headers = [*headers, (b"proxy-authorization", self.egress.authorization)]
-            if connection.write(_head(method, target, headers), body):
+            while True:
+                pooled = connection is not None
+                if connection is None:
+                    connection = await self._connect(timing)
+                timing.send_start_ns = now_ns()
+                seen = connection.seen_ns
                 try:
-                    async with asyncio.timeout(self.write_timeout):
-                        await connection.drain()
-                except TimeoutError:
-                    raise WriteTimeout("timed out sending the request") from None
-            sent = timing.sent_ns = now_ns()
-            await connection.response_head()
+                    if connection.write(head, body):
+                        try:
+                            async with asyncio.timeout(self.write_timeout):
+                                await connection.drain()
+                        except TimeoutError:
+                            raise WriteTimeout("timed out sending the request") from None
+                    sent = timing.sent_ns = now_ns()
+                    await connection.response_head()
+                    break
+                except (WriteError, ReadError, RemoteProtocolError):
+                    if not pooled or connection.seen_ns != seen:
+                        raise
+                    # A pooled connection the upstream closed as the request went out, not a byte of an answer
+                    # on it: llama.cpp closes after every stream though its answer says keep-alive, and its FIN
+                    # can trail the stream's end. Sent once more, on a new connection (module docstring).
+                    connection.abort()
+                    connection, timing.stale = None, True
             timing.headers_ns = max(sent, connection.headers_ns)  # read off the socket, not when this task woke
         except BaseException:
             self._slots.release()

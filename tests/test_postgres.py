@@ -22,7 +22,8 @@ from proxy.records import Filters, Writer
 from proxy.records import codec
 from proxy.records import columns as C
 from proxy.records.migration import WRITERS_FROM, prepare
-from proxy.records.postgres import STORE_VERSION, TABLE, PostgresBackend, connect, redact
+from proxy.records.deadline import connect, redact
+from proxy.records.postgres import STORE_VERSION, TABLE, PostgresBackend
 
 import fleet
 from servers import ROOT, Postgres, Process, SilentRelay, scraped
@@ -457,7 +458,7 @@ def test_a_signal_to_the_whole_group_loses_no_record(sim, clean, tmp_path):
     import os
 
     from proxy.processes import wait_healthy
-    from proxy.records.postgres import connect
+    from proxy.records.deadline import connect
 
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "proxy", "serve", "--upstream", f"{sim.url}/v1", "--port", str(port), "--records-db",
@@ -488,7 +489,7 @@ def test_a_reconnect_below_the_level_takes_no_lock_for_columns_already_there(cle
     """A writer that connects again while its store is still a level below (its indexes building) reads the catalog
     first: no ALTER TABLE (ACCESS EXCLUSIVE, even when it adds nothing) behind a long reader's transaction."""
     from proxy.records import migration
-    from proxy.records.postgres import connect
+    from proxy.records.deadline import connect
 
     with connect(clean.dsn, str(clean.password_file)) as conn:
         migration.prepare(conn)  # (the store at this level)
@@ -524,7 +525,7 @@ def test_a_records_process_killed_alone_loses_what_it_held_counted_once_by_whoev
     maintenance passes later (the dead process's pid is its own row's, never flipped back to running)."""
     import os
 
-    from proxy.records.postgres import connect
+    from proxy.records.deadline import connect
 
     def start(instance: str) -> tuple[Process, str]:
         port = free_port()

@@ -12,6 +12,8 @@ import pytest
 
 from proxy.records import Filters, Rejected, Unavailable, Writer, open_backend
 from proxy.records import codec
+from proxy.records.aggregate import Fold
+from proxy.records.sql import Window
 from servers import Postgres
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -86,7 +88,9 @@ def test_hostile_fields_cost_no_other_record_its_place(target):
         assert "\x00" not in json.dumps(r) and "\\ud800" not in json.dumps(r)
     assert max(len(r["model"]) for r in hostile) == 20_000  # (the record keeps what it was given, made storable...)
     backend = open_backend(target[0], password_file=target[1])
-    models = {row[0] for row in backend.aggregate(("model",), __import__("proxy.records.sql", fromlist=["Window"]).Window())[0]}
+    folded = Fold(("model",))
+    backend.aggregate(folded, Window())
+    models = {key[0] for key in folded.groups}
     assert max(map(len, models)) <= 256  # (...its columns and aggregates at most 256 characters)
 
 
@@ -305,17 +309,16 @@ def test_records_held_in_the_serving_process_at_a_kill_9_are_counted_by_the_next
 def counts(backend: Any, start_ns: int) -> tuple[int, int]:
     """(records the rollup counts in the window, records its histograms count: the prompt figure, every ok one's)."""
     from proxy.records import columns as C
-    from proxy.records.sql import KINDS, SUMS, Window
 
-    sums, cells = backend.aggregate(("model",), Window(start_ns))
-    requests = 1 + len(KINDS) + [name for name, _, _ in SUMS].index("requests")  # (model, the kinds, then the sums)
-    return sum(int(row[requests]) for row in sums), sum(int(n) for *_, code, _, n in cells if code == C.PROMPT)
+    folded = Fold(("model",))
+    backend.aggregate(folded, Window(start_ns))
+    return sum(a.requests for a in folded.groups.values()), sum(a.count(C.PROMPT) for a in folded.groups.values())
 
 
 def execute(target: tuple[str, str], statement: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
     """A statement on the store, as another program would run it."""
     if target[0].startswith("postgresql://"):
-        from proxy.records.postgres import connect
+        from proxy.records.deadline import connect
 
         with connect(target[0], target[1]) as conn:
             cursor = conn.execute(statement.replace("?", "%s"), args)
@@ -381,7 +384,7 @@ def test_a_kill_9_under_load_is_counted_on_restart(pg, sim, tmp_path):
     import psycopg
 
     from proxy.processes import free_port, wait_healthy
-    from proxy.records.postgres import connect
+    from proxy.records.deadline import connect
     from servers import ROOT, scraped
 
     database = f"t{time.monotonic_ns()}"

@@ -144,7 +144,7 @@ def latency(writes: list[list[float]], start: float, end: float) -> str:
 def upgrade(n: int, old: str, rate: float) -> None:
     import schema2
 
-    from proxy.records.postgres import connect
+    from proxy.records.deadline import connect
 
     pg = cluster()
     env = {**os.environ, "LLMPROXY_RECORDS_DB_PASSWORD_FILE": str(pg.password_file)}

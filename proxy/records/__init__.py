@@ -20,13 +20,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
 import orjson
 
 from .boots import Tally
 from .columns import Columns
 from .sql import Window
+
+if TYPE_CHECKING:
+    from .aggregate import Fold
 
 log = logging.getLogger("llmproxy.records")
 
@@ -131,8 +134,8 @@ class Backend(Protocol):
 
     def recent(self, limit: int, filters: Filters) -> list[bytes]: ...  # the newest records' JSON, oldest first
 
-    def aggregate(self, by: tuple[str, ...], window: Window, cells: bool = True) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]: ...
-    # (aggregate.queries: the sums' rows and, with `cells`, the histograms' rows)
+    def aggregate(self, into: Fold, window: Window, cells: bool = True) -> None: ...
+    # (aggregate.queries' rows, by `into.by`: the sums and, with `cells`, the histograms, folded as they are read)
 
     def compact(self, before_ns: int = 1 << 62) -> int: ...  # on the writer's connection: what is due (ending before that) compacted now
 

@@ -155,17 +155,40 @@ class Aggregate:
         return dict(self.cells.get(C.LEVEL, {}))
 
 
-def fold(by: tuple[str, ...], sums: Iterable[tuple[Any, ...]], cells: Iterable[tuple[Any, ...]]) -> dict[tuple[str, ...], Aggregate]:
-    """The stores' rows (as `queries` selects them) into one Aggregate per group."""
-    out: dict[tuple[str, ...], Aggregate] = collections.defaultdict(Aggregate)
-    keys = (*by, *(k for k in KINDS if k not in by))
-    names = [name for name, _, _ in SUMS]
-    for row in sums:
-        values = dict(zip(keys, row))
-        out[tuple(values[k] for k in by)].add_sums(values, dict(zip(names, row[len(keys):])))
-    for row in cells:
-        out[tuple(row[:len(by)])].add_cell(int(row[-3]), int(row[-2]), int(row[-1]))
-    return dict(out)
+class Fold:
+    """A window's rows folded into one Aggregate per group as the store's cursor yields them: a day's
+    histograms are millions of rows, never held as a list of tuples (bench store explain-window)."""
+
+    def __init__(self, by: tuple[str, ...]) -> None:
+        self.by = by
+        self.groups: dict[tuple[Any, ...], Aggregate] = collections.defaultdict(Aggregate)
+        self._keys = (*by, *(k for k in KINDS if k not in by))
+        self._names = [name for name, _, _ in SUMS]
+
+    def sums(self, rows: Iterable[tuple[Any, ...]]) -> None:
+        """The rollup's rows: a group's kinds, then its sums (as `queries` selects them)."""
+        keys, names, width = self._keys, self._names, len(self._keys)
+        for row in rows:
+            values = dict(zip(keys, row))
+            self.groups[tuple(values[k] for k in self.by)].add_sums(values, dict(zip(names, row[width:])))
+
+    def cells(self, rows: Iterable[tuple[Any, ...]]) -> None:
+        """The histograms' rows: a group, then (figure, bucket, count)."""
+        width, groups = len(self.by), self.groups
+        key: tuple[Any, ...] | None = None
+        cells: dict[int, collections.Counter[int]] = {}
+        for row in rows:
+            if row[:width] != key:  # (a group's rows mostly come together)
+                key = row[:width]
+                cells = groups[key].cells
+            cells[int(row[-3])][int(row[-2])] += int(row[-1])
+
+    def merge_cells(self, other: Fold) -> None:
+        """Another connection's share of the histograms (PostgreSQL reads them on two at once)."""
+        for key, agg in other.groups.items():
+            mine = self.groups[key].cells
+            for code, counts in agg.cells.items():
+                mine[code].update(counts)
 
 
 def read(stores: list[Backend], by: tuple[str, ...], window: Window, samples: bool = False,
@@ -173,13 +196,10 @@ def read(stores: list[Backend], by: tuple[str, ...], window: Window, samples: bo
     """One window's aggregates over one or more stores, per group `by` (dimensions); without
     `histograms`, counts and sums only; with `samples` (by model and upstream), each fit's sample: the
     lowest keys of all the stores together."""
-    sums: list[tuple[Any, ...]] = []
-    cells: list[tuple[Any, ...]] = []
+    folded = Fold(by)
     for store in stores:
-        more_sums, more_cells = store.aggregate(by, window, histograms)
-        sums += more_sums
-        cells += more_cells
-    groups = fold(by, sums, cells)
+        store.aggregate(folded, window, histograms)
+    groups = dict(folded.groups)
     if samples:
         wanted = [(fit, model, upstream, int(agg.fits[fit][0])) for (model, upstream), agg in groups.items() for fit in ("prefill", "decode")]
         found = [store.samples(wanted, window) for store in stores]

@@ -27,7 +27,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import math
-import re
 import threading
 import time
 from typing import Any, Callable, Iterator
@@ -40,7 +39,8 @@ from . import boots
 from . import codec
 from . import columns as C
 from . import sql as A
-from .deadline import OPTIONS as KEEPALIVES, Watchdog
+from .aggregate import Fold
+from .deadline import Watchdog, connect, redact, scrubbed
 from .migration import LEVEL, TYPES, Newer, finish, prepare
 from .partitions import TABLE, Partitions
 
@@ -71,29 +71,6 @@ INSERT = A.POSTGRES.sql(
 def _lock_key(span: int, start: int) -> int:
     """A block's or an hour's advisory lock (its index: 3 million blocks since the epoch, an int4)."""
     return start // span + (1 << 30 if span == C.HOUR_NS else 0)
-
-
-def redact(url: str) -> str:
-    """The URL with its password replaced: what log lines and errors may show."""
-    return re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", url)
-
-
-def connect(url: str, password_file: str = "", **options: Any) -> psycopg.Connection[Any]:
-    """A connection (autocommit: transactions are explicit); the password file, when given, wins. Nothing prepared: a
-    generic plan prunes no partition (the rollup's statement ran 5x slower)."""
-    kwargs: dict[str, Any] = {"autocommit": True, "connect_timeout": 5, "application_name": "llm-latency-proxy", "prepare_threshold": None,
-                              **KEEPALIVES, **options}
-    if password_file:
-        with open(password_file, encoding="utf-8") as handle:
-            kwargs["password"] = handle.read().strip()
-    return psycopg.connect(url, **kwargs)
-
-
-def _scrubbed(exc: BaseException, url: str) -> str:
-    """An error's text with no password in it, whatever the driver echoed."""
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    password = re.search(r"://[^:/@]+:([^@]*)@", url)
-    return redact(text.replace(password.group(1), "***") if password and password.group(1) else text)
 
 
 def _stage(conn: psycopg.Connection[Any]) -> None:
@@ -134,7 +111,7 @@ class PostgresBackend:
         try:
             return connect(self.url, self.password_file, **options)
         except psycopg.Error as exc:
-            raise Unavailable(_scrubbed(exc, self.url)) from None
+            raise Unavailable(scrubbed(exc, self.url)) from None
         except OSError as exc:  # the password file
             raise Unavailable(f"{self.password_file}: {exc.strerror or exc}") from None
 
@@ -153,7 +130,7 @@ class PostgresBackend:
             raise Unavailable(str(exc)) from None
         except psycopg.Error as exc:
             conn.close()
-            raise Unavailable(_scrubbed(exc, self.url)) from None
+            raise Unavailable(scrubbed(exc, self.url)) from None
         self.conn = conn
 
     def write(self, rows: list[Row]) -> int:
@@ -172,10 +149,10 @@ class PostgresBackend:
                         conn.execute(*boots.upsert(A.POSTGRES, self.tally(), stored, now_ns(conn)))
                     return stored
         except (psycopg.errors.DataError, psycopg.errors.IntegrityError) as exc:  # what these rows hold
-            raise Rejected(_scrubbed(exc, self.url)) from None
+            raise Rejected(scrubbed(exc, self.url)) from None
         except psycopg.Error as exc:  # down, restarting, slow, the table gone: reconnect (and migrate) and retry
             self.close()
-            raise Unavailable(_scrubbed(exc, self.url)) from None
+            raise Unavailable(scrubbed(exc, self.url)) from None
 
     @staticmethod
     def _insert(conn: psycopg.Connection[Any], values: list[tuple[Any, ...]]) -> int:
@@ -206,7 +183,7 @@ class PostgresBackend:
         except psycopg.Error as exc:
             if self.maint is not None:
                 self.maint.close()
-            raise Unavailable(_scrubbed(exc, self.url)) from None
+            raise Unavailable(scrubbed(exc, self.url)) from None
 
     def _maintain(self, conn: psycopg.Connection[Any]) -> tuple[int, int]:
         self.step = "boots"
@@ -335,35 +312,41 @@ class PostgresBackend:
         rows = self._read(f"SELECT data FROM {TABLE}{where} ORDER BY ended_ns DESC LIMIT %s", (*args, max(0, limit)))
         return [codec.unpack(row[0]) for row in reversed(rows)]
 
-    def aggregate(self, by: tuple[str, ...], window: A.Window, cells: bool = True) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+    def aggregate(self, into: Fold, window: A.Window, cells: bool = True) -> None:
         with self._reading() as conn:
             if conn is None:
-                return [], []
+                return
             if not cells:
-                ((sums, sargs),) = A.queries(A.POSTGRES, by, window)
-                return conn.execute(sums, sargs).fetchall(), []
+                ((sums, sargs),) = A.queries(A.POSTGRES, into.by, window)
+                into.sums(conn.execute(sums, sargs))
+                return
             with conn.transaction():  # (one snapshot for the plan and both reads)
                 conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
                 conn.execute(WORK_MEM)
-                return self._read_window(conn, by, window)
+                self._read_window(conn, into, window)
 
-    def _read_window(self, conn: psycopg.Connection[Any], by: tuple[str, ...], window: A.Window) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+    def _read_window(self, conn: psycopg.Connection[Any], into: Fold, window: A.Window) -> None:
         """The sums here; the parts of the histograms (the records' edges, the compacted blocks) split
-        between this connection and a second one, at once: the server counts on both cores."""
+        between this connection and a second one, at once: the server counts on both cores. Each
+        connection folds its rows as its cursor yields them; the second's histograms are merged after."""
         clean = conn.execute(A.POSTGRES.sql(A.CLEAN), (window.first_block, A.kept_from(now_ns(conn), by_day=True))).fetchall()
-        (sums, sargs), *parts = A.queries(A.POSTGRES, by, window, A.halved(A.plan(window, clean), time.time_ns()))
+        (sums, sargs), *parts = A.queries(A.POSTGRES, into.by, window, A.halved(A.plan(window, clean), time.time_ns()))
         with self._reading(second=True) as other:
-            def run(chunk: list[tuple[str, list[Any]]]) -> list[tuple[Any, ...]]:
+            def run(chunk: list[tuple[str, list[Any]]]) -> Fold:
                 assert other is not None
+                theirs = Fold(into.by)
                 with other.transaction():
                     other.execute(WORK_MEM)
-                    return [row for text, args in chunk for row in other.execute(text, args).fetchall()]
+                    for text, args in chunk:
+                        theirs.cells(other.execute(text, args))
+                return theirs
 
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
                 theirs = pool.submit(run, parts[1::2])
-                rows = conn.execute(sums, sargs).fetchall()
-                cells = [row for text, args in parts[0::2] for row in conn.execute(text, args).fetchall()]
-                return rows, cells + theirs.result()
+                into.sums(conn.execute(sums, sargs))
+                for text, args in parts[0::2]:
+                    into.cells(conn.execute(text, args))
+                into.merge_cells(theirs.result())
 
     def samples(self, wanted: list[tuple[str, str, str, int]], window: A.Window) -> list[list[tuple[int, float, float]]]:
         """Half of them on each reader connection, at once."""

@@ -32,6 +32,7 @@ from . import boots
 from . import codec
 from . import columns as C
 from . import sql as A
+from .aggregate import Fold
 from .migration import BOOTS, Newer
 
 STORE_VERSION = 6  # the level (migration.py has what each brought), the same as the fleet store's
@@ -291,19 +292,22 @@ class SQLiteBackend:
         rows = self._read(f"SELECT data FROM llmproxy_records{where} ORDER BY ended_ns DESC LIMIT ?", (*args, max(0, limit)))
         return [codec.unpack(row[0]) for row in reversed(rows)]
 
-    def aggregate(self, by: tuple[str, ...], window: A.Window, cells: bool = True) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+    def aggregate(self, into: Fold, window: A.Window, cells: bool = True) -> None:
         db = connect(self.path, 5.0, readonly=True)
         try:
             if not db.execute("SELECT 1 FROM sqlite_master WHERE name = 'llmproxy_records'").fetchone():
-                return [], []  # nothing written by this version yet
+                return  # nothing written by this version yet
             if not cells:
-                ((sums, sargs),) = A.queries(A.SQLITE, by, window)
-                return db.execute(sums, sargs).fetchall(), []
+                ((sums, sargs),) = A.queries(A.SQLITE, into.by, window)
+                into.sums(db.execute(sums, sargs))
+                return
             with db:  # (one snapshot for the plan and both reads)
                 db.execute("BEGIN")
                 clean = db.execute(A.CLEAN, (window.first_block, A.kept_from(time.time_ns()))).fetchall()
-                (sums, sargs), *parts = A.queries(A.SQLITE, by, window, A.plan(window, clean))
-                return db.execute(sums, sargs).fetchall(), [row for text, args in parts for row in db.execute(text, args).fetchall()]
+                (sums, sargs), *parts = A.queries(A.SQLITE, into.by, window, A.plan(window, clean))
+                into.sums(db.execute(sums, sargs))
+                for text, args in parts:
+                    into.cells(db.execute(text, args))
         finally:
             db.close()
 

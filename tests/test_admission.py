@@ -320,7 +320,7 @@ def test_the_queue_waits_at_most_its_seconds_and_the_wait_is_in_the_record(proxy
     first.start()
     time.sleep(0.1)
     big = [{"role": "user", "content": "word " * 120_000}]
-    bulk.chat.completions.create(model="m", messages=big, max_tokens=2)
+    bulk.chat.completions.create(model="m", messages=big, max_tokens=2, extra_headers={"x-sim-ttft-ms": "50"})  # (not 120,000 tokens' prefill)
     first.join()
     record = max(proxy.wait_records(7), key=lambda r: r["prompt_tokens"] or 0)
     assert record["prompt_tokens"] > 100_000 and record["phases_s"]["wait"] > 0.25 and record["phases_s"]["client"] < 0.1, record["phases_s"]

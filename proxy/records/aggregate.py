@@ -181,7 +181,7 @@ class Fold:
             if row[:width] != key:  # (a group's rows mostly come together)
                 key = row[:width]
                 cells = groups[key].cells
-            cells[int(row[-3])][int(row[-2])] += int(row[-1])
+            cells[row[-3]][row[-2]] += row[-1]  # (integers, as the stores read them: sql.Dialect.counted)
 
     def merge_cells(self, other: Fold) -> None:
         """Another connection's share of the histograms (PostgreSQL reads them on two at once)."""

@@ -40,7 +40,10 @@ def redact(url: str) -> str:
 
 def connect(url: str, password_file: str = "", **options: Any) -> psycopg.Connection[Any]:
     """A connection (autocommit: transactions are explicit); the password file, when given, wins. Nothing prepared: a
-    generic plan prunes no partition (the rollup's statement ran 5x slower)."""
+    generic plan prunes no partition (the rollup's statement ran 5x slower). No JIT: the server's default compiles any
+    statement its planner costs over 100,000, and compiling took 400 of the 460 ms of a day's sums at 10 M records
+    (bench store explain-window); a statement of ours runs for milliseconds to a second, never long enough to repay it."""
+    options["options"] = f"-c jit=off {options.get('options', '')}".strip()
     kwargs: dict[str, Any] = {"autocommit": True, "connect_timeout": 5, "application_name": "llm-latency-proxy", "prepare_threshold": None,
                               **OPTIONS, **options}
     if password_file:

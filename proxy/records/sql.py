@@ -75,13 +75,14 @@ class Dialect:
     least: str  # the two-argument minimum: LEAST (PostgreSQL) or min (SQLite)
     greatest: str
     grouping_sets: bool  # every figure in one pass (PostgreSQL: 3x faster than a pass each, which SQLite does)
+    counted: str  # a sum of counts as an integer (PostgreSQL's sum of a bigint is a numeric, read as a Decimal: slower)
 
     def sql(self, text: str) -> str:
         return text.replace("?", self.param)
 
 
-POSTGRES = Dialect("%s", "LEAST", "GREATEST", True)
-SQLITE = Dialect("?", "min", "max", False)
+POSTGRES = Dialect("%s", "LEAST", "GREATEST", True, "sum(n)::bigint")
+SQLITE = Dialect("?", "min", "max", False, "sum(n)")
 
 
 def _merge(kind: str, column: str, dialect: Dialect) -> str:
@@ -204,10 +205,13 @@ class Window:
 
 
 def queries(dialect: Dialect, by: tuple[str, ...], window: Window, plan: tuple[list[int], list[int], list[tuple[int, int]]] | None = None,
-            ) -> list[tuple[str, list[Any]]]:
+            split: int = 1) -> list[tuple[str, list[Any]]]:
     """(sums SQL, args) for the groups `by` (dimensions) of a window, and with its `plan`
     (`Window.plan`) the (cells SQL, args) of each part of it, whose rows add up: `by` and the
-    filters among HIST_DIMS then."""
+    filters among HIST_DIMS then. The compacted hours' and blocks' parts first, each in `split`
+    queries (the largest: a day's hours are 1.4 M rows at 10 M records, 0.85 s on one core), then
+    the ranges of records: a store that runs them on two connections, each taking the next, ends
+    both at about the same time."""
     first = window.first_block
     keys = ", ".join((*by, *(k for k in KINDS if k not in by)))
     filt, fargs = window.where()
@@ -225,13 +229,14 @@ def queries(dialect: Dialect, by: tuple[str, ...], window: Window, plan: tuple[l
         raise ValueError(f"histograms are kept by {', '.join(HIST_DIMS)} only")
     hours, blocks, ranges = plan
     names = "".join(f"{key}, " for key in by)
+    for span, every in ((C.HOUR_NS, hours), (BLOCK_NS, blocks)):
+        for starts in (every[i::split] for i in range(split)):
+            if starts:
+                out.append((dialect.sql(f"SELECT {names}code, bucket, {dialect.counted} FROM {HISTS[span]} WHERE start IN ({', '.join('?' * len(starts))})"
+                                        f"{filt} GROUP BY {names}code, bucket"), [*starts, *fargs]))
     for low, high in ranges:  # (a query each: a store may run them at once)
-        out.append((dialect.sql(f"SELECT {names}code, bucket, sum(n) FROM ({cells(dialect, by, f'ended_ns >= ? AND ended_ns < ?{filt}')}) t "
+        out.append((dialect.sql(f"SELECT {names}code, bucket, {dialect.counted} FROM ({cells(dialect, by, f'ended_ns >= ? AND ended_ns < ?{filt}')}) t "
                                 f"GROUP BY {names}code, bucket"), [low, high, *fargs]))
-    for span, starts in ((C.HOUR_NS, hours), (BLOCK_NS, blocks)):
-        if starts:
-            out.append((dialect.sql(f"SELECT {names}code, bucket, sum(n) FROM {HISTS[span]} WHERE start IN ({', '.join('?' * len(starts))}){filt} "
-                                    f"GROUP BY {names}code, bucket"), [*starts, *fargs]))
     return out
 
 

@@ -68,14 +68,14 @@ def _since_s(value: str) -> float:
 def _stores(args: argparse.Namespace, paths: list[str]) -> list[Backend]:
     """The stores named, each brought to this version's schema first (an older one's records moved in,
     which a proxy of this version would do on its own)."""
-    from .records import open_backend
+    from .records import COMMAND_READ_S, open_backend
 
     password_file = args.db_password_file or os.environ.get("LLMPROXY_RECORDS_DB_PASSWORD_FILE", "")
     stores = []
     for path in paths:
         if "://" not in path and not os.path.exists(path):
             raise ValueError(f"no records database at {path}")
-        store = open_backend(path, password_file=password_file)
+        store = open_backend(path, password_file=password_file, read_s=COMMAND_READ_S)  # (a person waits: minutes, not the pages' 3 s)
         if store.pending():
             print(f"moving {store.pending():,} records of an older schema into {store.where} first", file=sys.stderr)
             store.open()
@@ -298,6 +298,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:  # bad settings: one clear line, no traceback
         print(f"llm-latency-proxy: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:
+        from .records import Unavailable  # (imported here: a command that never reads a store does not load them)
+
+        if not isinstance(exc, Unavailable):
+            raise
+        print(f"llm-latency-proxy: the records store did not answer: {exc}", file=sys.stderr)  # (in time, or at all)
+        return 1
 
 
 if __name__ == "__main__":

@@ -628,3 +628,43 @@ def test_a_detach_waiting_on_a_long_reader_waits_outside_the_retention_lock_boun
     assert all(pg.query("SELECT to_regclass(%s)", name) == [(None,)] for name in expired)
     dropping.close()
     other.close()
+
+
+def test_explain_reads_for_as_long_as_a_person_waits_while_the_pages_give_up_in_seconds(clean):
+    """A read of the serving process is cut after READ_S (3 s: its pages answer in seconds while the store is silent),
+    but `explain` is a command a person waits on, and a week of a big fleet reads for longer than that: its reads
+    have COMMAND_READ_S. A read held 4.5 s behind a lock: the page's store gives up, `explain` answers."""
+    from proxy.records import Unavailable, open_backend
+    from proxy.records.aggregate import Fold
+    from proxy.records.postgres import READ_S
+    from proxy.records.sql import Window
+
+    pg = clean
+    lines = b"".join(fleet.lines(200, time.time_ns() - 3600 * 10**9, 3000.0, seed=3))
+    command = [sys.executable, "-m", "proxy", "records", "import", "--db", pg.dsn, "--db-password-file", str(pg.password_file)]
+    assert subprocess.run(command, input=lines, capture_output=True, timeout=120, cwd=ROOT).returncode == 0
+    page = open_backend(pg.dsn, password_file=str(pg.password_file))
+    assert READ_S < 4.5
+    with connect(pg.dsn, str(pg.password_file)) as holder:
+        holder.execute("BEGIN")
+        holder.execute("LOCK TABLE llmproxy_rollup IN ACCESS EXCLUSIVE MODE")
+        began = time.monotonic()
+        explain = subprocess.Popen([sys.executable, "-m", "proxy", "explain", "--db", pg.dsn, "--db-password-file", str(pg.password_file),
+                                    "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+        with pytest.raises(Unavailable):  # (its statement_timeout or its deadline, the same 3 s)
+            page.aggregate(Fold(()), Window(), cells=False)
+        cut = time.monotonic() - began
+        time.sleep(max(0.0, 4.5 - (time.monotonic() - began)))
+        holder.execute("COMMIT")
+    out, err = explain.communicate(timeout=60)
+    assert explain.returncode == 0, err
+    assert READ_S - 0.5 < cut < READ_S + 1.5  # (the page's read cut at its deadline)
+    assert sum(group["requests"] for group in json.loads(out).values()) == 200
+    pg.stop()
+    try:
+        gone = subprocess.run([sys.executable, "-m", "proxy", "explain", "--db", pg.dsn, "--db-password-file", str(pg.password_file)],
+                              capture_output=True, text=True, timeout=60, cwd=ROOT)
+    finally:
+        pg.start()
+    assert gone.returncode == 1 and "Traceback" not in gone.stderr, gone.stderr
+    assert gone.stderr.startswith("llm-latency-proxy: the records store did not answer: ") and pg.password not in gone.stderr

@@ -151,16 +151,22 @@ def is_postgres(target: str) -> bool:
     return target.startswith(("postgresql://", "postgres://"))
 
 
+COMMAND_READ_S = 600.0  # a read's deadline for a command a person waits on (`explain` over a week of a big fleet)
+
+
 def open_backend(target: str, max_rows: int = -1, max_age_s: float = 7 * 86400.0, password_file: str = "",
-                 busy_timeout_s: float = 5.0, bulk: bool = False, max_models: int = 100, known_models: tuple[str, ...] = ()) -> Backend:
+                 busy_timeout_s: float = 5.0, bulk: bool = False, max_models: int = 100, known_models: tuple[str, ...] = (),
+                 read_s: float | None = None) -> Backend:
     """The store a `--records-db` value names: a PostgreSQL URL, or an SQLite file path. `max_rows` -1:
     the store's own default. `bulk`: a load that can be run again (`records import`), whose commits
     need not wait for the server's WAL flush. `max_models`: model names its aggregates keep (--max-models), besides the
-    configuration's own (`known_models`)."""
+    configuration's own (`known_models`). `read_s`: how long a PostgreSQL read may take before it is cut (its
+    statement_timeout and client-side deadline): by default the serving process's 3 s (its pages answer in seconds
+    while the store is silent); a command passes COMMAND_READ_S."""
     if is_postgres(target):
-        from .postgres import PostgresBackend
+        from .postgres import READ_S, PostgresBackend
 
-        return PostgresBackend(target, max_rows, max_age_s, password_file, bulk, max_models, known_models)
+        return PostgresBackend(target, max_rows, max_age_s, password_file, bulk, max_models, known_models, read_s or READ_S)
     from .sqlite import SQLiteBackend
 
     return SQLiteBackend(target, max_rows, max_age_s, busy_timeout_s, max_models, known_models)
@@ -169,5 +175,5 @@ def open_backend(target: str, max_rows: int = -1, max_age_s: float = 7 * 86400.0
 from .codec import serialise  # noqa: E402
 from .writer import BATCH, FLUSH_S, RETRY_S, Writer  # noqa: E402  (the writer needs the nouns above)
 
-__all__ = ["BATCH", "FLUSH_S", "RETRY_S", "Backend", "Filters", "Rejected", "Row", "Skewed", "Unavailable", "Writer",
+__all__ = ["BATCH", "COMMAND_READ_S", "FLUSH_S", "RETRY_S", "Backend", "Filters", "Rejected", "Row", "Skewed", "Unavailable", "Writer",
            "is_postgres", "open_backend", "serialise"]

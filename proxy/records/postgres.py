@@ -88,8 +88,9 @@ class PostgresBackend:
     retain_every_s = RETAIN_EVERY_S
 
     def __init__(self, url: str, max_rows: int = -1, max_age_s: float = 7 * 86400.0, password_file: str = "", bulk: bool = False,
-                 max_models: int = 100, known_models: tuple[str, ...] = ()) -> None:
+                 max_models: int = 100, known_models: tuple[str, ...] = (), read_s: float = READ_S) -> None:
         self.url, self.password_file = url, password_file
+        self.read_s = read_s  # a read's deadline and statement_timeout: the pages' seconds, or a command's minutes
         self.columns = C.Columns(max_models, known_models)  # (the rollup's model names; the figures checked, counted)
         # An import's sessions commit without waiting for the WAL flush (synchronous_commit off, theirs
         # only): a server crash loses their last commits, records and aggregates together (one
@@ -289,18 +290,18 @@ class PostgresBackend:
         """The readers' connection (or their second); None while no replica of this version has written."""
         index = int(second)
         lock = self._reader_locks[index]
-        if not lock.acquire(timeout=READ_S):  # (a read already waits on a store gone silent: this one is not added to it)
+        if not lock.acquire(timeout=self.read_s):  # (a read already waits on a store gone silent: this one is not added to it)
             raise Unavailable("the records store did not answer a read in time")
         try:
             conn = self._readers[index]
             if conn is None or conn.closed:
-                conn = self._readers[index] = connect(self.url, self.password_file, options=f"-c statement_timeout={int(READ_S * 1000)}")
+                conn = self._readers[index] = self._connect(options=f"-c statement_timeout={int(self.read_s * 1000)}")
             try:
-                with self.watchdog.deadline(conn, READ_S):
+                with self.watchdog.deadline(conn, self.read_s):
                     yield conn if conn.execute("SELECT to_regclass(%s)", (TABLE,)).fetchone()[0] is not None else None  # type: ignore[index]
-            except psycopg.Error:
+            except psycopg.Error as exc:  # (cut at its deadline, the store gone): a reader's caller sees Unavailable, no driver error
                 conn.close()
-                raise
+                raise Unavailable(scrubbed(exc, self.url)) from None
         finally:
             lock.release()
 
@@ -372,7 +373,7 @@ class PostgresBackend:
             return out
 
     def export(self, start_ns: int) -> Iterator[bytes]:
-        with connect(self.url, self.password_file) as conn:
+        with self._connect() as conn:
             if conn.execute("SELECT to_regclass(%s)", (TABLE,)).fetchone()[0] is None:  # type: ignore[index]
                 return
             with conn.transaction(), conn.cursor(name="llmproxy_export") as cursor:
@@ -382,7 +383,7 @@ class PostgresBackend:
                     yield codec.unpack(data)
 
     def pending(self) -> int:
-        with connect(self.url, self.password_file) as conn:
+        with self._connect() as conn:
             if conn.execute("SELECT to_regclass(%s)", (LEGACY,)).fetchone()[0] is None:  # type: ignore[index]
                 return 0
             return int(conn.execute(f"SELECT count(*) FROM {LEGACY}").fetchone()[0])  # type: ignore[index]

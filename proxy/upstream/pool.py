@@ -18,7 +18,7 @@ for the oldest connection's expiry, that pops expired ones off the bottom. Nothi
 A pooled connection can still be closed by the upstream while our request is on its way (its FIN or
 reset not yet read; llama.cpp closes every connection after a stream, whatever its keep-alive
 header says): when not a byte of an answer came back on it, the request is sent once more on a new
-connection (`stale`, counted as llmproxy_upstream_connections_total{reused="stale"}), never twice. A
+connection (`stale`, counted as llmproxy_upstream_connections_total{reused="stale"}), never more. A
 server that took the request and died without a byte would see it twice; its new connection is then
 refused, which is the answer the client gets.
 """
@@ -133,10 +133,10 @@ class Pool:
             await self._slots.acquire()
         self.in_use += 1
         connection = None
-        if self.absolute and self.egress is not None and self.egress.authorization:
-            headers = [*headers, (b"proxy-authorization", self.egress.authorization)]
-        head = _head(method, target, headers)
         try:
+            if self.absolute and self.egress is not None and self.egress.authorization:
+                headers = [*headers, (b"proxy-authorization", self.egress.authorization)]
+            head = _head(method, target, headers)
             connection = self._checkout()
             timing.first_event_ns = now_ns()
             while True:

@@ -32,35 +32,40 @@ class Counts:
     replaced (its descriptors are what `--max-connections` is sized from, admission.py). Each writer process started
     gets a fresh memfd holding the figures so far."""
 
-    __slots__ = ("_fd", "_view")
+    __slots__ = ("_fd", "_lock", "_view")
 
     def __init__(self) -> None:
         self._fd = -1
         self._view: memoryview | None = None
+        self._lock = threading.Lock()  # a change and the copy into a new mapping (`open`), one at a time: none lost between
 
     def get(self, slot: int) -> int:
         view = self._view
         return int(view[slot]) if view is not None else 0
 
     def set(self, slot: int, value: int) -> None:
-        view = self._view
-        if view is not None:
-            view[slot] = value
+        with self._lock:
+            view = self._view
+            if view is not None:
+                view[slot] = value
 
     def add(self, slot: int, value: int) -> None:
-        view = self._view
-        if view is not None:
-            view[slot] += value
+        with self._lock:
+            view = self._view
+            if view is not None:
+                view[slot] += value
 
     def open(self) -> None:
         """A fresh memfd holding the figures so far, for a writer process about to start. (The old mapping is only let
-        go of: the loop may be writing to it this instant, from another thread.)"""
-        figures, fd = [self.get(slot) for slot in (NUMBERED, HANDED, DROPPED)], os.memfd_create("llmproxy-records-counts")
+        go of, never closed: a reader may hold it this instant. A change made while the memfd is made, by the loop or the
+        wire's thread, lands before the copy or after the swap: the lock.)"""
+        fd = os.memfd_create("llmproxy-records-counts")
         os.ftruncate(fd, 24)
         view = memoryview(mmap.mmap(fd, 24)).cast("q")
-        view[0], view[1], view[2] = figures
-        self.handed_over()
-        self._fd, self._view = fd, view
+        with self._lock:
+            view[0], view[1], view[2] = (self.get(slot) for slot in (NUMBERED, HANDED, DROPPED))
+            self.handed_over()
+            self._fd, self._view = fd, view
 
     def handed_over(self) -> None:
         if self._fd >= 0:

@@ -44,16 +44,24 @@ class Counts:
         return int(view[slot]) if view is not None else 0
 
     def set(self, slot: int, value: int) -> None:
-        with self._lock:
+        lock = self._lock
+        lock.acquire()  # (not `with`: twice the cost, and this is once a record)
+        try:
             view = self._view
             if view is not None:
                 view[slot] = value
+        finally:
+            lock.release()
 
     def add(self, slot: int, value: int) -> None:
-        with self._lock:
+        lock = self._lock
+        lock.acquire()
+        try:
             view = self._view
             if view is not None:
                 view[slot] += value
+        finally:
+            lock.release()
 
     def open(self) -> None:
         """A fresh memfd holding the figures so far, for a writer process about to start. (The old mapping is only let
